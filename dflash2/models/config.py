@@ -1,0 +1,520 @@
+"""Draft config handling: load, normalise, validate (contract section 3) and expected tensor shapes (section 4).
+
+A draft config is a Hugging Face Qwen3 config dict plus the DFlash fields. Servers read the DFlash 2 fields
+(``NESTED_ONLY_KEYS``) only from the nested ``dflash_config`` dict, and the shared fields
+(``NESTED_FIRST_KEYS``) from ``dflash_config`` first, else from the top level. The canonical form written by
+this project keeps every DFlash field nested, so both loaders read the same values.
+
+Two views of a config exist on purpose:
+- ``validate_draft_config`` reads a raw dict the way a server would, so a third party's export is judged by
+  what will actually be served (a top-level ``conv_kernel_size`` is reported: servers ignore it).
+- ``normalize_draft_config`` repairs the layout (moves top-level DFlash fields into ``dflash_config``, fills
+  defaults) and ``check_draft_config`` normalises then validates.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+from transformers import Qwen3Config
+
+NESTED_ONLY_KEYS = (
+    "conv_kernel_size",
+    "conv_group_size",
+    "selector_rank",
+    "selector_top_k",
+    "output_multiplier",
+    "final_logit_softcapping",
+)
+NESTED_FIRST_KEYS = ("block_size", "target_layer_ids", "num_target_layers", "mask_token_id", "mask_token")
+ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
+LAYER_TYPES = ("full_attention", "sliding_attention")
+V2_DEFAULTS = {"output_multiplier": 1.0, "final_logit_softcapping": None}
+
+# Backbone fields that decide tensor shapes: a loader falling back to its own default would build a
+# different model, so they must be written explicitly.
+REQUIRED_BACKBONE_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reading
+# ---------------------------------------------------------------------------------------------------------
+
+
+def load_config_dict(source: str | Path | dict) -> dict:
+    """A deep copy of a config dict, or the dict in a config.json file (or a directory holding one)."""
+    if isinstance(source, dict):
+        return copy.deepcopy(source)
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ValueError(f"config source {str(source)!r}: no such file; pass a config.json or its directory")
+    with open(path) as f:
+        cfg = json.load(f)
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: expected a JSON object, found {type(cfg).__name__}")
+    return cfg
+
+
+def _get(config: Any, name: str, default: Any = None) -> Any:
+    if isinstance(config, dict):
+        return config.get(name, default)
+    return getattr(config, name, default)
+
+
+def draft_value(config: Any, name: str, default: Any = None) -> Any:
+    """A DFlash field the way loaders read it: nested ``dflash_config`` first, else the top level."""
+    nested = _get(config, "dflash_config") or {}
+    if name in nested:
+        return nested[name]
+    return _get(config, name, default)
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The target layers the servers pick when a config names none: spread over the target's depth."""
+    if num_draft_layers < 1:
+        raise ValueError(f"num_hidden_layers={num_draft_layers}: a draft needs at least one layer")
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    if num_target_layers < 4:
+        raise ValueError(
+            f"num_target_layers={num_target_layers}: the default layer spread needs >= 4 target layers; "
+            "set dflash_config.target_layer_ids explicitly"
+        )
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _architecture(cfg: dict) -> str | None:
+    architectures = cfg.get("architectures")
+    if isinstance(architectures, list) and len(architectures) == 1:
+        return architectures[0]
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Normalisation
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _nest_dflash_fields(cfg: dict) -> dict:
+    """Move top-level DFlash fields into ``dflash_config``; equal copies merge, different ones raise."""
+    nested = dict(cfg.pop("dflash_config", None) or {})
+    for key in NESTED_ONLY_KEYS + NESTED_FIRST_KEYS:
+        if key not in cfg:
+            continue
+        top = cfg.pop(key)
+        if key in nested and nested[key] != top:
+            raise ValueError(
+                f"{key} is set twice with different values: dflash_config.{key}={nested[key]!r} and "
+                f"top-level {key}={top!r}; keep one value (in dflash_config)"
+            )
+        nested[key] = top
+    return nested
+
+
+def _normalize_rope(cfg: dict) -> None:
+    """Keep ``rope_parameters`` (transformers 5) and the legacy ``rope_theta`` both present and equal."""
+    theta = cfg.get("rope_theta")
+    params = cfg.get("rope_parameters")
+    if params is None and theta is not None:
+        cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    elif isinstance(params, dict) and "rope_theta" in params:
+        if theta is not None and theta != params["rope_theta"]:
+            raise ValueError(
+                f"rope_theta={theta!r} differs from rope_parameters.rope_theta={params['rope_theta']!r}; "
+                "keep one value"
+            )
+        cfg["rope_theta"] = params["rope_theta"]
+
+
+def normalize_draft_config(cfg: dict) -> dict:
+    """A new dict in canonical form: DFlash fields nested, defaults filled, nothing dropped.
+
+    ``num_target_layers`` is kept at the top level too (it is also a backbone field, and the reference
+    loader reads it there); it always equals the nested value.
+    """
+    out = copy.deepcopy(cfg)
+    nested = _nest_dflash_fields(out)
+    if "num_target_layers" in nested:
+        out["num_target_layers"] = nested["num_target_layers"]
+    out.setdefault("architectures", ["DFlashDraftModel"])
+    out.setdefault("model_type", "qwen3")
+    out.setdefault("is_causal", False)
+    out.setdefault("tie_word_embeddings", False)
+    num_layers = out.get("num_hidden_layers")
+    if "layer_types" not in out and _is_int(num_layers):
+        out["layer_types"] = ["full_attention"] * num_layers
+    if "sliding_attention" in (out.get("layer_types") or []):
+        out["use_sliding_window"] = True
+    num_target_layers = nested.get("num_target_layers")
+    if "target_layer_ids" not in nested and _is_int(num_target_layers) and _is_int(num_layers):
+        nested["target_layer_ids"] = default_target_layer_ids(num_target_layers, num_layers)
+    if _architecture(out) == "DFlash2DraftModel":
+        for key, value in V2_DEFAULTS.items():
+            nested.setdefault(key, value)
+    _normalize_rope(out)
+    out["dflash_config"] = nested
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Validation (a raw dict, read the way servers read it)
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _check_identity(cfg: dict, problems: list[str]) -> None:
+    architectures = cfg.get("architectures")
+    if _architecture(cfg) not in ARCHITECTURES:
+        problems.append(
+            f"architectures={architectures!r}: must be one of {[[name] for name in ARCHITECTURES]}; "
+            "the architecture selects DFlash v1 or DFlash 2 in the servers"
+        )
+    if cfg.get("model_type") != "qwen3":
+        problems.append(f"model_type={cfg.get('model_type')!r}: set model_type to 'qwen3'")
+    nested = cfg.get("dflash_config")
+    if nested is not None and not isinstance(nested, dict):
+        problems.append(f"dflash_config={nested!r}: must be a JSON object holding the DFlash fields")
+
+
+def _check_layout(cfg: dict, problems: list[str]) -> None:
+    nested = cfg.get("dflash_config") if isinstance(cfg.get("dflash_config"), dict) else {}
+    for key in NESTED_ONLY_KEYS:
+        if key in cfg:
+            problems.append(
+                f"top-level {key}={cfg[key]!r}: servers read {key} only inside dflash_config and ignore "
+                f"it here; move it into dflash_config"
+            )
+    for key in NESTED_FIRST_KEYS:
+        if key in cfg and key in nested and cfg[key] != nested[key]:
+            problems.append(
+                f"{key} conflict: dflash_config.{key}={nested[key]!r} but top-level {key}={cfg[key]!r}; "
+                "keep one value (in dflash_config)"
+            )
+
+
+def _check_backbone(cfg: dict, problems: list[str]) -> None:
+    for key in REQUIRED_BACKBONE_KEYS:
+        value = cfg.get(key)
+        if not _is_int(value) or value < 1:
+            problems.append(f"{key}={value!r}: must be a positive int written in config.json")
+    heads, kv_heads = cfg.get("num_attention_heads"), cfg.get("num_key_value_heads")
+    if _is_int(heads) and _is_int(kv_heads) and kv_heads > 0 and heads % kv_heads:
+        problems.append(
+            f"num_attention_heads={heads} is not divisible by num_key_value_heads={kv_heads}; "
+            "choose num_key_value_heads dividing num_attention_heads"
+        )
+    if cfg.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={cfg['hidden_act']!r}: the servers support only 'silu'")
+    if cfg.get("tie_word_embeddings", False) is not False:
+        problems.append(
+            f"tie_word_embeddings={cfg['tie_word_embeddings']!r}: a draft has no embedding of its own; set false"
+        )
+    if "quantization_config" in cfg:
+        problems.append("quantization_config is present: export unquantized weights and remove it")
+    if cfg.get("input_embedding_scale", 1.0) != 1.0:
+        problems.append(
+            f"input_embedding_scale={cfg['input_embedding_scale']!r}: SGLang does not read it; remove it "
+            "(the draft must be trained with unscaled target embeddings)"
+        )
+    if cfg.get("is_causal") is not False:
+        problems.append(
+            f"is_causal={cfg.get('is_causal')!r}: write is_causal: false explicitly (loaders disagree on "
+            "the default)"
+        )
+    dtypes = {cfg[key] for key in ("torch_dtype", "dtype") if cfg.get(key) is not None}
+    if len(dtypes) > 1:
+        problems.append(
+            f"torch_dtype={cfg['torch_dtype']!r} differs from dtype={cfg['dtype']!r}; both must name the "
+            "dtype of the saved tensors"
+        )
+
+
+def _check_layers(cfg: dict, problems: list[str]) -> None:
+    layer_types = cfg.get("layer_types")
+    num_layers = cfg.get("num_hidden_layers")
+    if not isinstance(layer_types, list):
+        problems.append(
+            f"layer_types={layer_types!r}: write one entry per draft layer, e.g. 'full_attention'"
+        )
+        return
+    if _is_int(num_layers) and len(layer_types) != num_layers:
+        problems.append(
+            f"layer_types has {len(layer_types)} entries but num_hidden_layers={num_layers}; write one per layer"
+        )
+    unknown = [t for t in layer_types if t not in LAYER_TYPES]
+    if unknown:
+        problems.append(f"layer_types contains {unknown!r}: each entry must be one of {list(LAYER_TYPES)}")
+    if "sliding_attention" not in layer_types:
+        return
+    window = cfg.get("sliding_window")
+    if not _is_int(window) or window < 1:
+        problems.append(f"sliding_window={window!r}: sliding_attention layers need a positive sliding_window")
+    if cfg.get("use_sliding_window") is not True:
+        problems.append(
+            f"use_sliding_window={cfg.get('use_sliding_window')!r}: sliding_attention layers need "
+            "use_sliding_window: true (transformers' Qwen3Config drops sliding_window without it)"
+        )
+
+
+def _check_pair(nested: dict, first: str, second: str, problems: list[str]) -> tuple[int, int]:
+    """Both > 0 or both 0/absent, as the servers require. Returns the two values (0 when unusable)."""
+    values = []
+    for key in (first, second):
+        value = nested.get(key, 0)
+        if value is None:
+            value = 0
+        if not _is_int(value) or value < 0:
+            problems.append(f"dflash_config.{key}={value!r}: must be an int >= 0")
+            value = 0
+        values.append(value)
+    if bool(values[0]) != bool(values[1]):
+        problems.append(
+            f"dflash_config.{first}={values[0]!r} but {second}={values[1]!r}: set both > 0 or both 0/absent"
+        )
+    return values[0], values[1]
+
+
+def _check_v2_fields(cfg: dict, nested: dict, problems: list[str]) -> None:
+    architecture = _architecture(cfg)
+    hidden_size, vocab_size = cfg.get("hidden_size"), cfg.get("vocab_size")
+    kernel_size, group_size = _check_pair(nested, "conv_kernel_size", "conv_group_size", problems)
+    rank, top_k = _check_pair(nested, "selector_rank", "selector_top_k", problems)
+    if architecture == "DFlash2DraftModel":
+        if not (kernel_size > 0 and group_size > 0):
+            problems.append(
+                f"dflash_config.conv_kernel_size={kernel_size!r}, conv_group_size={group_size!r}: "
+                "DFlash2DraftModel needs both > 0 (e.g. 2 and 16)"
+            )
+        if rank <= 0:
+            problems.append(
+                f"dflash_config.selector_rank={rank!r}: DFlash2DraftModel needs selector_rank > 0 "
+                "(and selector_top_k > 0)"
+            )
+    elif architecture == "DFlashDraftModel" and (kernel_size or rank):
+        problems.append(
+            f"architectures=['DFlashDraftModel'] with conv_kernel_size={kernel_size}, selector_rank={rank}: "
+            "v1 ignores conv and selector; set architectures to ['DFlash2DraftModel'] or remove them"
+        )
+    if group_size and _is_int(hidden_size) and hidden_size % group_size:
+        problems.append(
+            f"dflash_config.conv_group_size={group_size} does not divide hidden_size={hidden_size}; "
+            "pick a divisor of hidden_size"
+        )
+    if top_k and top_k & (top_k - 1):
+        problems.append(f"dflash_config.selector_top_k={top_k}: must be a power of two (e.g. 8 or 16)")
+    if top_k and _is_int(vocab_size) and top_k > vocab_size:
+        problems.append(f"dflash_config.selector_top_k={top_k} exceeds vocab_size={vocab_size}; lower it")
+    block_size = draft_value(cfg, "block_size")
+    if kernel_size and _is_int(block_size) and kernel_size > block_size:
+        problems.append(
+            f"dflash_config.conv_kernel_size={kernel_size} exceeds block_size={block_size}; "
+            "need 1 <= conv_kernel_size <= block_size"
+        )
+    multiplier = nested.get("output_multiplier", 1.0)
+    if not _is_number(multiplier) or multiplier <= 0:
+        problems.append(f"dflash_config.output_multiplier={multiplier!r}: must be a number > 0 (1.0 = off)")
+    softcap = nested.get("final_logit_softcapping")
+    if softcap is not None and (not _is_number(softcap) or softcap <= 0):
+        problems.append(
+            f"dflash_config.final_logit_softcapping={softcap!r}: must be null (off) or a number > 0"
+        )
+
+
+def _check_block_and_layers(cfg: dict, problems: list[str]) -> None:
+    block_size = draft_value(cfg, "block_size")
+    if not _is_int(block_size) or block_size < 2:
+        problems.append(f"dflash_config.block_size={block_size!r}: must be an int >= 2")
+    num_target_layers = draft_value(cfg, "num_target_layers")
+    if not _is_int(num_target_layers) or num_target_layers < 1:
+        problems.append(
+            f"num_target_layers={num_target_layers!r}: must be the target's num_hidden_layers (a positive int)"
+        )
+        num_target_layers = None
+    layer_ids = draft_value(cfg, "target_layer_ids")
+    if not isinstance(layer_ids, list) or not layer_ids:
+        problems.append(
+            f"dflash_config.target_layer_ids={layer_ids!r}: write the non-empty list of target layer ids the "
+            "draft was trained with (servers otherwise guess a default spread)"
+        )
+        return
+    for index, layer_id in enumerate(layer_ids):
+        if not _is_int(layer_id):
+            problems.append(f"dflash_config.target_layer_ids[{index}]={layer_id!r}: must be an int")
+        elif num_target_layers is not None and not 0 <= layer_id < num_target_layers:
+            problems.append(
+                f"dflash_config.target_layer_ids[{index}]={layer_id}: out of range [0, {num_target_layers}) "
+                f"(num_target_layers={num_target_layers}); use ids of existing target layers"
+            )
+
+
+def _check_mask_token(cfg: dict, tokenizer: Any, problems: list[str]) -> None:
+    mask_token_id = draft_value(cfg, "mask_token_id")
+    vocab_size = cfg.get("vocab_size")
+    if not _is_int(mask_token_id):
+        problems.append(f"dflash_config.mask_token_id={mask_token_id!r}: must be an int token id")
+        return
+    if _is_int(vocab_size) and not 0 <= mask_token_id < vocab_size:
+        problems.append(
+            f"dflash_config.mask_token_id={mask_token_id}: out of range [0, {vocab_size}) (vocab_size); "
+            "use an id of the target's vocabulary"
+        )
+    if tokenizer is None:
+        return
+    mask_token = draft_value(cfg, "mask_token")
+    vocab = tokenizer.get_vocab()
+    if mask_token is not None:
+        if mask_token not in vocab:
+            problems.append(
+                f"dflash_config.mask_token={mask_token!r} is not a token of the tokenizer; fix it"
+            )
+        elif vocab[mask_token] != mask_token_id:
+            problems.append(
+                f"dflash_config.mask_token_id={mask_token_id} but the tokenizer maps mask_token "
+                f"{mask_token!r} to {vocab[mask_token]}; make them agree"
+            )
+        return
+    tokenizer_mask = getattr(tokenizer, "mask_token", None)
+    if tokenizer_mask is not None and tokenizer_mask in vocab and vocab[tokenizer_mask] != mask_token_id:
+        problems.append(
+            f"dflash_config.mask_token_id={mask_token_id} but the tokenizer's mask token {tokenizer_mask!r} "
+            f"has id {vocab[tokenizer_mask]}; make them agree or set dflash_config.mask_token"
+        )
+
+
+def _text_config(target_config: Any) -> Any:
+    if isinstance(target_config, (str, Path)):
+        target_config = load_config_dict(target_config)
+    text = _get(target_config, "text_config")
+    return text if text is not None else target_config
+
+
+def _check_target(cfg: dict, target_config: Any, problems: list[str]) -> None:
+    target = _text_config(target_config)
+    for key in ("hidden_size", "vocab_size"):
+        if cfg.get(key) != _get(target, key):
+            problems.append(
+                f"{key}={cfg.get(key)!r} but the target's {key} is {_get(target, key)!r}; they must be equal"
+            )
+    num_target_layers = draft_value(cfg, "num_target_layers")
+    if num_target_layers != _get(target, "num_hidden_layers"):
+        problems.append(
+            f"num_target_layers={num_target_layers!r} but the target has num_hidden_layers="
+            f"{_get(target, 'num_hidden_layers')!r}; set num_target_layers to it"
+        )
+
+
+def validate_draft_config(cfg: dict, *, tokenizer: Any = None, target_config: Any = None) -> list[str]:
+    """Every contract section 3 problem of a raw config dict, one message each (empty list: valid).
+
+    tokenizer: a Hugging Face tokenizer, to check the mask token; target_config: the target's config
+    (dict, PretrainedConfig or path), to check hidden size, vocabulary and depth.
+    """
+    problems: list[str] = []
+    _check_identity(cfg, problems)
+    _check_layout(cfg, problems)
+    _check_backbone(cfg, problems)
+    _check_layers(cfg, problems)
+    nested = cfg.get("dflash_config") if isinstance(cfg.get("dflash_config"), dict) else {}
+    _check_v2_fields(cfg, nested, problems)
+    _check_block_and_layers(cfg, problems)
+    _check_mask_token(cfg, tokenizer, problems)
+    if target_config is not None:
+        _check_target(cfg, target_config, problems)
+    return problems
+
+
+def check_draft_config(cfg: dict, **kwargs: Any) -> dict:
+    """Normalise, validate, and return the normalised config; raise one ValueError listing every problem."""
+    normalized = normalize_draft_config(cfg)
+    problems = validate_draft_config(normalized, **kwargs)
+    if problems:
+        raise ValueError("invalid draft config:\n  " + "\n  ".join(problems))
+    return normalized
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Qwen3Config and tensor shapes
+# ---------------------------------------------------------------------------------------------------------
+
+
+def to_qwen3_config(cfg: dict) -> Qwen3Config:
+    """A transformers Qwen3Config from a draft config (normalised first; not validated).
+
+    ``dflash_config`` and ``num_target_layers`` become attributes, so ``draft_value(config, name)`` reads
+    every DFlash field; the legacy ``rope_theta`` stays readable next to ``rope_parameters``.
+    """
+    normalized = normalize_draft_config(cfg)
+    kwargs = {key: value for key, value in normalized.items() if key != "rope_theta"}
+    config = Qwen3Config(**kwargs)
+    if "rope_theta" in normalized:
+        config.rope_theta = normalized["rope_theta"]
+    return config
+
+
+def expected_tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor an export must hold, name -> shape (contract section 4, names without ``model.``)."""
+    cfg = normalize_draft_config(cfg)
+    hidden = cfg["hidden_size"]
+    intermediate = cfg["intermediate_size"]
+    heads, kv_heads, head_dim = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    num_features = len(draft_value(cfg, "target_layer_ids"))
+    shapes: dict[str, tuple[int, ...]] = {
+        "fc.weight": (hidden, num_features * hidden),
+        "hidden_norm.weight": (hidden,),
+        "norm.weight": (hidden,),
+    }
+    is_v2 = _architecture(cfg) == "DFlash2DraftModel"
+    for i in range(cfg["num_hidden_layers"]):
+        prefix = f"layers.{i}."
+        layer = {
+            "input_layernorm.weight": (hidden,),
+            "post_attention_layernorm.weight": (hidden,),
+            "self_attn.q_proj.weight": (heads * head_dim, hidden),
+            "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+            "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+            "self_attn.o_proj.weight": (hidden, heads * head_dim),
+            "self_attn.q_norm.weight": (head_dim,),
+            "self_attn.k_norm.weight": (head_dim,),
+            "mlp.gate_proj.weight": (intermediate, hidden),
+            "mlp.up_proj.weight": (intermediate, hidden),
+            "mlp.down_proj.weight": (hidden, intermediate),
+        }
+        if cfg.get("attention_bias"):
+            layer["self_attn.q_proj.bias"] = (heads * head_dim,)
+            layer["self_attn.k_proj.bias"] = (kv_heads * head_dim,)
+            layer["self_attn.v_proj.bias"] = (kv_heads * head_dim,)
+            layer["self_attn.o_proj.bias"] = (hidden,)
+        if is_v2:
+            kernel_size = draft_value(cfg, "conv_kernel_size")
+            num_groups = hidden // draft_value(cfg, "conv_group_size")
+            for conv in ("attention_conv", "mlp_conv"):
+                layer[f"{conv}.base_kernel"] = (2, kernel_size, hidden)
+                layer[f"{conv}.kernel_projection.weight"] = (2 * kernel_size * num_groups, hidden)
+        shapes.update({prefix + name: shape for name, shape in layer.items()})
+    if is_v2:
+        rank, vocab = draft_value(cfg, "selector_rank"), cfg["vocab_size"]
+        shapes["candidate_selector.predecessor_codebook"] = (vocab, rank)
+        shapes["candidate_selector.successor_codebook"] = (vocab, rank)
+        shapes["candidate_selector.hidden_projection.weight"] = (rank, hidden)
+    return shapes
