@@ -1,0 +1,27 @@
+PY ?= .venv/bin/python
+PIP ?= .venv/bin/pip
+
+.PHONY: install test lint format tiny demo clean
+
+install: .venv/.installed
+
+.venv/.installed: requirements.txt requirements-nodeps.txt setup.py
+	python3 -m venv .venv
+	$(PIP) install -q -r requirements.txt
+	$(PIP) install -q --no-deps -r requirements-nodeps.txt
+	$(PIP) install -q --no-deps -e .
+	touch $@
+
+test: install
+	$(PY) -m pytest tests
+
+lint: install
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+format: install
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+clean:
+	rm -rf runs artifacts .pytest_cache

@@ -1,0 +1,188 @@
+"""DFlash (v1) and DFlash 2 draft models: pure math, no distributed code.
+
+A draft reads the target's hidden states at `target_layer_ids` (the context) and predicts a whole
+block of future tokens in one non-causal forward. It owns no embedding table and no LM head: both
+are the target's (see `TargetHead`). See docs/architecture.md for the tensor conventions.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from transformers import initialization as init
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3Config,
+    Qwen3MLP,
+    Qwen3PreTrainedModel,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+)
+
+from dflash2.models.attention import DFlashAttention
+from dflash2.models.config import default_target_layer_ids, draft_value
+from dflash2.models.conv import AFTER, BEFORE, GroupedDynamicConv
+from dflash2.models.selector import CandidateSelector
+from dflash2.models.target_head import TargetHead
+
+
+class DFlashDecoderLayer(nn.Module):
+    """Pre-norm Qwen3 layer whose attention reads the context; optional DFlash 2 convs around
+    the attention and MLP sublayers (the residual wraps the whole conv-sublayer-conv chain)."""
+
+    def __init__(self, config: Qwen3Config, layer_idx: int, conv: tuple[int, int] | None) -> None:
+        super().__init__()
+        self.self_attn = DFlashAttention(config, layer_idx)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if conv is not None:
+            kernel_size, group_size = conv
+            self.attention_conv = GroupedDynamicConv(config.hidden_size, kernel_size, group_size)
+            self.mlp_conv = GroupedDynamicConv(config.hidden_size, kernel_size, group_size)
+        else:
+            self.attention_conv = self.mlp_conv = None
+
+    def forward(self, h, context, block_rope, context_rope, anchor_positions) -> torch.Tensor:
+        """h [b, N, B, H] block states; context [b, S, H] projected target features."""
+        x = self.input_layernorm(h)
+        if self.attention_conv is None:
+            h = h + self.self_attn(x, context, block_rope, context_rope, anchor_positions)
+        else:
+            c = self.attention_conv.dynamic_kernels(x)  # both sides from the sublayer input
+            a = self.self_attn(
+                self.attention_conv(x, c, BEFORE), context, block_rope, context_rope, anchor_positions
+            )
+            h = h + self.attention_conv(a, c, AFTER)
+
+        y = self.post_attention_layernorm(h)
+        if self.mlp_conv is None:
+            return h + self.mlp(y)
+        c = self.mlp_conv.dynamic_kernels(y)
+        return h + self.mlp_conv(self.mlp(self.mlp_conv(y, c, BEFORE)), c, AFTER)
+
+
+class DFlashDraftModel(Qwen3PreTrainedModel):
+    """DFlash v1: Qwen3-style layers over a projected multi-layer target context; greedy argmax proposal."""
+
+    config_class = Qwen3Config
+    _no_split_modules = ["DFlashDecoderLayer"]
+    uses_conv = False
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__(config)
+        self.block_size = int(draft_value(config, "block_size"))
+        self.mask_token_id = int(draft_value(config, "mask_token_id"))
+        layer_ids = draft_value(config, "target_layer_ids")
+        if layer_ids is None:
+            num_target_layers = int(draft_value(config, "num_target_layers"))
+            layer_ids = default_target_layer_ids(num_target_layers, config.num_hidden_layers)
+        self.target_layer_ids = [int(i) for i in layer_ids]
+        conv = None
+        if self.uses_conv:
+            conv = (int(draft_value(config, "conv_kernel_size")), int(draft_value(config, "conv_group_size")))
+        hidden = config.hidden_size
+        self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.layers = nn.ModuleList(
+            [DFlashDecoderLayer(config, i, conv) for i in range(config.num_hidden_layers)]
+        )
+        self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.post_init()
+
+    @torch.no_grad()
+    def _init_weights(self, module: nn.Module) -> None:
+        super()._init_weights(module)
+        if isinstance(module, GroupedDynamicConv):
+            # Identity: a fresh DFlash 2 draft computes exactly what a v1 draft computes.
+            init.zeros_(module.base_kernel)
+            init.ones_(module.base_kernel[:, 0])
+            init.zeros_(module.kernel_projection.weight)
+        elif isinstance(module, CandidateSelector):
+            init.normal_(module.predecessor_codebook, mean=0.0, std=self.config.initializer_range)
+            init.zeros_(module.successor_codebook)
+
+    def project_context(self, context_features: torch.Tensor) -> torch.Tensor:
+        """[b, S, K*H] concatenated target hidden states -> [b, S, H]."""
+        return self.hidden_norm(self.fc(context_features))
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        context_features: torch.Tensor,
+        anchor_positions: torch.Tensor,
+    ) -> torch.Tensor:
+        """block_embeds [b, N, B, H] (target embedding of [anchor, MASK x (B-1)]);
+        context_features [b, S, K*H]; anchor_positions [b, N] absolute anchor positions.
+        Returns the final-normed block states [b, N, B, H]. Block n sees context positions
+        < anchor_positions[:, n] and its own block only."""
+        b, num_blocks, block_size, _ = block_embeds.shape
+        context = self.project_context(context_features.to(block_embeds.dtype))
+        slot = torch.arange(block_size, device=block_embeds.device)
+        block_pos = anchor_positions[..., None] + slot  # [b, N, B]
+        context_pos = torch.arange(context.shape[1], device=context.device).expand(b, -1)
+        cos, sin = self.rotary_emb(block_embeds, block_pos.reshape(b, -1))
+        block_rope = (cos.view(b, num_blocks, block_size, -1), sin.view(b, num_blocks, block_size, -1))
+        context_rope = self.rotary_emb(block_embeds, context_pos)
+        h = block_embeds
+        for layer in self.layers:
+            h = layer(h, context, block_rope, context_rope, anchor_positions)
+        return self.norm(h)
+
+    def transform_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Unary transforms: multiply by output_multiplier, then softcap (identity for v1 defaults)."""
+        multiplier = float(draft_value(self.config, "output_multiplier", 1.0) or 1.0)
+        if multiplier != 1.0:
+            logits = logits * multiplier
+        cap = draft_value(self.config, "final_logit_softcapping")
+        if cap is not None and float(cap) > 0:
+            logits = float(cap) * torch.tanh(logits / float(cap))
+        return logits
+
+    def compute_logits(self, hidden: torch.Tensor, head: TargetHead) -> torch.Tensor:
+        return self.transform_logits(head.logits(hidden))
+
+    @torch.no_grad()
+    def propose(
+        self,
+        slot_hidden: torch.Tensor,
+        anchor_ids: torch.Tensor,
+        head: TargetHead,
+        temperature: float = 0.0,
+        generator: torch.Generator | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """slot_hidden [b, B-1, H] (slots 1..B-1). Returns (tokens [b, B-1], candidate ids or None,
+        draft probabilities: full-vocab [b, B-1, V] for v1, over the candidates [b, B-1, k] for v2)."""
+        logits = self.compute_logits(slot_hidden, head)
+        if temperature > 0:
+            probs = torch.softmax(logits.float() / temperature, dim=-1)
+            tokens = torch.multinomial(probs.flatten(0, 1), 1, generator=generator).view(probs.shape[:-1])
+            return tokens, None, probs
+        return logits.argmax(dim=-1), None, torch.softmax(logits.float(), dim=-1)
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    """DFlash 2: conv around every sublayer, unary logit transforms, and the candidate selector."""
+
+    uses_conv = True
+
+    def __init__(self, config: Qwen3Config) -> None:
+        super().__init__(config)
+        self.candidate_selector = CandidateSelector(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            rank=int(draft_value(config, "selector_rank")),
+            top_k=int(draft_value(config, "selector_top_k")),
+        )
+        self.post_init()
+
+    @torch.no_grad()
+    def propose(self, slot_hidden, anchor_ids, head, temperature=0.0, generator=None):
+        """Selector walk over the [B-1, k, k] lattice. Returns (tokens [b, B-1], candidates
+        [b, B-1, k], q [b, B-1, k] — the walk's sampling rows, or one-hot of the greedy pick)."""
+        logits = self.compute_logits(slot_hidden, head)
+        lattice, candidates = self.candidate_selector.lattice(slot_hidden, logits, anchor_ids)
+        tokens, index, q = self.candidate_selector.walk(lattice, candidates, temperature, generator)
+        if q is None:
+            q = torch.nn.functional.one_hot(index, candidates.shape[-1]).float()
+        return tokens, candidates, q
