@@ -1,0 +1,318 @@
+"""The DFlash / DFlash 2 training objective: anchors, blocks, chunked unary CE, selector loss, metrics.
+
+`compute_objective` returns a weighted loss *sum* and the weight sum; the loop divides by the
+global weight sum over all ranks and accumulation steps (a token-weighted mean per optimizer step).
+See training.md sections 3-5 for the definitions mirrored here.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from dflash2.models.config import draft_value
+from dflash2.models.target_head import TargetHead
+
+
+@dataclass(frozen=True)
+class ObjectiveConfig:
+    block_size: int
+    mask_token_id: int
+    num_anchors: int = 64
+    loss_gamma: float | None = None  # slot k weighted exp(-(k-1)/gamma); None = uniform
+    selector_loss_alpha: float = 1.0
+    selector_mode: Literal["insert", "strict"] = "insert"
+    coverage_top_k: int = 16  # top-k used for coverage metrics when the draft has no selector
+    logits_chunk_rows: int = 1024  # rows of [supervised slots, V] logits alive at once
+
+
+@dataclass
+class ObjectiveOutput:
+    loss_sum: torch.Tensor  # scalar, differentiable: sum(w * CE) + alpha * sum(w_sel * CE_sel)
+    weight_sum: torch.Tensor  # scalar: sum(w)
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # sums and counts, all-reducible
+
+
+# ------------------------------------------------------------------ anchors and blocks
+
+
+def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
+    """[b, S] -> bool [b, S]: a is a candidate iff loss_mask[a] = loss_mask[a + 1] = 1."""
+    cand = torch.zeros_like(loss_mask, dtype=torch.bool)
+    cand[:, :-1] = (loss_mask[:, :-1] > 0) & (loss_mask[:, 1:] > 0)
+    return cand
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to `num_anchors` anchors per sequence, uniformly without replacement, sorted.
+
+    Returns (anchor_positions [b, N] long, valid [b, N] bool); padding blocks have valid = False
+    and position 0.
+    """
+    cand = anchor_candidates(loss_mask)
+    num = min(num_anchors, loss_mask.shape[1])
+    noise = torch.rand(cand.shape, generator=generator, device="cpu").to(cand.device)
+    keys = torch.where(cand, noise, torch.full_like(noise, -1.0))
+    top, idx = torch.topk(keys, num, dim=1)
+    valid = top >= 0
+    positions = torch.where(valid, idx, torch.zeros_like(idx))
+    order = torch.argsort(torch.where(valid, positions, positions.new_full((), loss_mask.shape[1])), dim=1)
+    return positions.gather(1, order), valid.gather(1, order)
+
+
+def block_targets(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+    block_size: int,
+    gamma: float | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Labels, predecessors and weights of slots 1..B-1 of every block.
+
+    Slot k of the block at anchor a predicts input_ids[a + k] with weight
+    valid * in_bounds * loss_mask[a + k] * exp(-(k - 1) / gamma); its teacher-forced predecessor is
+    input_ids[a + k - 1] (the anchor for slot 1). Returns three [b, N, B-1] tensors.
+    """
+    seq_len = input_ids.shape[1]
+    k = torch.arange(1, block_size, device=anchors.device)
+    pos = anchors[..., None] + k  # [b, N, B-1]
+    in_bounds = pos < seq_len
+    pos_c = pos.clamp(max=seq_len - 1)
+    flat = lambda t, p: t.gather(1, p.flatten(1)).view_as(p)  # noqa: E731
+    labels = flat(input_ids, pos_c)
+    predecessors = flat(input_ids, (pos - 1).clamp(max=seq_len - 1))
+    decay = torch.ones_like(k, dtype=torch.float32) if gamma is None else torch.exp(-(k - 1) / gamma)
+    weights = valid[..., None] * in_bounds * flat(loss_mask, pos_c).float() * decay
+    return labels, predecessors, weights
+
+
+# ------------------------------------------------------------------ chunked unary cross-entropy
+
+
+def _transform(z: torch.Tensor, multiplier: float, cap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unary transforms and their derivative du/dz (multiply first, then softcap)."""
+    u = z * multiplier
+    if cap is None:
+        return u, torch.full_like(u, multiplier)
+    t = torch.tanh(u / cap)
+    return cap * t, multiplier * (1 - t * t)
+
+
+class _ChunkedUnaryCE(torch.autograd.Function):
+    """sum_r w_r * CE(transform(h_r @ W^T + b), y_r) without materialising [R, V] logits.
+
+    Logits live one chunk at a time. The gradient w.r.t. the hidden rows is computed in the forward
+    pass of each chunk (the LM head is frozen, so that is the only gradient needed), which costs the
+    same matmuls as the naive path and never recomputes logits. Also returns each row's top-k ids.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, row_weights, multiplier, cap, chunk_rows, top_k):
+        need_grad = hidden.requires_grad
+        grad = torch.zeros_like(hidden) if need_grad else None
+        loss = hidden.new_zeros((), dtype=torch.float32)
+        topk_ids = []
+        for start in range(0, hidden.shape[0], chunk_rows):
+            sl = slice(start, start + chunk_rows)
+            z = F.linear(hidden[sl], weight, bias).float()
+            u, du_dz = _transform(z, multiplier, cap)
+            lse = torch.logsumexp(u, dim=-1)
+            gold = u.gather(1, labels[sl, None])[:, 0]
+            loss += (row_weights[sl] * (lse - gold)).sum()
+            topk_ids.append(torch.topk(u, top_k, dim=-1).indices)
+            if need_grad:
+                d = torch.exp(u - lse[:, None])  # softmax
+                d.scatter_add_(1, labels[sl, None], -torch.ones_like(gold[:, None]))
+                d *= row_weights[sl, None] * du_dz
+                grad[sl] = (d.to(weight.dtype) @ weight).to(hidden.dtype)
+        ids = torch.cat(topk_ids) if topk_ids else labels.new_zeros((0, top_k))
+        ctx.mark_non_differentiable(ids)
+        ctx.save_for_backward(grad)
+        return loss, ids
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_ids):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_loss, None, None, None, None, None, None, None, None
+
+
+def unary_ce(hidden, head: TargetHead, labels, row_weights, multiplier, cap, chunk_rows, top_k):
+    """Chunked weighted CE on transformed logits. hidden [R, H] -> (loss_sum, top-k ids [R, k])."""
+    return _ChunkedUnaryCE.apply(
+        hidden,
+        head.lm_head_weight,
+        head.lm_head_bias,
+        labels,
+        row_weights,
+        multiplier,
+        cap,
+        chunk_rows,
+        top_k,
+    )
+
+
+def unary_ce_naive(hidden, head: TargetHead, labels, row_weights, multiplier, cap, top_k):
+    """Reference path: full [R, V] logits through autograd (benchmarks and tests only)."""
+    u, _ = _transform(head.logits(hidden).float(), multiplier, cap)
+    loss = (row_weights * F.cross_entropy(u, labels, reduction="none")).sum()
+    return loss, torch.topk(u.detach(), top_k, dim=-1).indices
+
+
+# ------------------------------------------------------------------ selector loss
+
+
+def selector_scores(
+    selector: nn.Module,
+    hidden: torch.Tensor,
+    head: TargetHead,
+    candidates: torch.Tensor,
+    labels: torch.Tensor,
+    predecessors: torch.Tensor,
+    multiplier: float,
+    cap: float | None,
+    mode: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Teacher-forced selector scores over each row's candidates.
+
+    candidates [R, k] are the original unary top-k. With mode "insert" a gold token missing from
+    them replaces the weakest (last) candidate, with its own transformed logit. Returns
+    (scores [R, k], gold_index [R], gold_in_topk [R] bool).
+    """
+    in_topk = (candidates == labels[:, None]).any(-1)
+    top_k = candidates.shape[1]
+    gold_index = torch.where(in_topk, (candidates == labels[:, None]).int().argmax(-1), top_k - 1)
+    if mode == "insert":
+        candidates = candidates.clone()
+        candidates[~in_topk, -1] = labels[~in_topk]
+    # Unary scores of just the k candidates, differentiable w.r.t. the draft hidden states.
+    z = torch.einsum("rh,rkh->rk", hidden, head.lm_head_weight[candidates].to(hidden.dtype))
+    if head.lm_head_bias is not None:
+        z = z + head.lm_head_bias[candidates]
+    unary, _ = _transform(z.float(), multiplier, cap)
+    scores = selector(hidden, unary, candidates, predecessors[:, None])[:, 0]  # [R, k]
+    return scores.float(), gold_index, in_topk
+
+
+# ------------------------------------------------------------------ the objective
+
+
+def compute_objective(
+    draft: nn.Module,
+    head: TargetHead,
+    batch: dict[str, torch.Tensor],
+    cfg: ObjectiveConfig,
+    generator: torch.Generator | None = None,
+    *,
+    naive: bool = False,
+) -> ObjectiveOutput:
+    """batch: input_ids [b, S], loss_mask [b, S], features [b, S, K*H] (target hidden states).
+
+    `draft` may be a sharding wrapper; its `.config` (or `.module.config`) must be reachable.
+    """
+    model = getattr(draft, "module", draft)
+    input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+    block_size = cfg.block_size
+    anchors, valid = sample_anchors(loss_mask, cfg.num_anchors, generator)
+    if not bool(valid.any()):
+        raise ValueError(
+            "batch has no valid anchor (no two consecutive supervised tokens in any sample); "
+            "prepare the data with data_prep/prepare.py, which drops such samples"
+        )
+    labels, predecessors, weights = block_targets(
+        input_ids, loss_mask, anchors, valid, block_size, cfg.loss_gamma
+    )
+
+    block_ids = torch.full((*anchors.shape, block_size), cfg.mask_token_id, device=input_ids.device)
+    block_ids[..., 0] = input_ids.gather(1, anchors)
+    embeds = head.embed(block_ids).to(batch["features"].dtype)
+    hidden = draft(embeds, batch["features"], anchors)[:, :, 1:]  # [b, N, B-1, H] slots 1..B-1
+
+    # Only supervised rows reach the LM head.
+    rows = weights > 0
+    slot = torch.arange(1, block_size, device=rows.device).expand_as(rows)[rows] - 1  # [R], 0-based k-1
+    h, y, w, pred = hidden[rows], labels[rows], weights[rows], predecessors[rows]
+    multiplier = float(draft_value(model.config, "output_multiplier", 1.0) or 1.0)
+    cap = draft_value(model.config, "final_logit_softcapping")
+    cap = float(cap) if cap is not None and float(cap) > 0 else None
+    selector = getattr(model, "candidate_selector", None)
+    top_k = selector.top_k if selector is not None else cfg.coverage_top_k
+
+    if naive:
+        base_sum, topk_ids = unary_ce_naive(h, head, y, w, multiplier, cap, top_k)
+    else:
+        base_sum, topk_ids = unary_ce(h, head, y, w, multiplier, cap, cfg.logits_chunk_rows, top_k)
+
+    metrics = _slot_metrics(slot, block_size, topk_ids, y, w)
+    metrics["base_loss_sum"] = base_sum.detach()
+    metrics["num_anchors"] = valid.sum().float()
+    loss_sum = base_sum
+    if selector is not None:
+        scores, gold_index, in_topk = selector_scores(
+            selector, h, head, topk_ids, y, pred, multiplier, cap, cfg.selector_mode
+        )
+        sel_w = w if cfg.selector_mode == "insert" else w * in_topk
+        sel_sum = (sel_w * F.cross_entropy(scores, gold_index, reduction="none")).sum()
+        loss_sum = loss_sum + cfg.selector_loss_alpha * sel_sum
+        metrics["selector_loss_sum"] = sel_sum.detach()
+        correct = (in_topk & (scores.argmax(-1) == gold_index)).float()
+        metrics["slot_selector_correct"] = _per_slot(slot, correct, block_size)
+    return ObjectiveOutput(loss_sum=loss_sum, weight_sum=weights.sum(), metrics=metrics)
+
+
+def _per_slot(slot: torch.Tensor, values: torch.Tensor, block_size: int) -> torch.Tensor:
+    return torch.zeros(block_size - 1, device=values.device).index_add_(0, slot, values.float())
+
+
+def _slot_metrics(slot, block_size, topk_ids, labels, weights) -> dict[str, torch.Tensor]:
+    return {
+        "weight_sum": weights.sum().detach(),
+        "slot_count": _per_slot(slot, torch.ones_like(labels, dtype=torch.float32), block_size),
+        "slot_correct": _per_slot(slot, (topk_ids[:, 0] == labels).float(), block_size),
+        "slot_topk_hit": _per_slot(slot, (topk_ids == labels[:, None]).any(-1).float(), block_size),
+    }
+
+
+def estimated_acceptance_length(per_slot_accuracy: list[float]) -> float:
+    """1 + sum_k prod_{j<=k} acc_j: the expected committed tokens per verify step if slots were
+    independent; computed from teacher-forced accuracies, so it is an estimate."""
+    total, prod = 1.0, 1.0
+    for acc in per_slot_accuracy:
+        prod *= acc
+        total += prod
+    return total
+
+
+def summarize_metrics(sums: dict[str, torch.Tensor], alpha: float) -> dict[str, float]:
+    """Turn (globally reduced) sums and counts into the logged scalars."""
+    w = max(float(sums["weight_sum"]), 1e-12)
+    count = sums["slot_count"].double().clamp_min(1.0)
+    acc = (sums["slot_correct"].double() / count).tolist()
+    out = {
+        "base_loss": float(sums["base_loss_sum"]) / w,
+        "accuracy": float(sums["slot_correct"].sum()) / max(float(sums["slot_count"].sum()), 1.0),
+        "topk_coverage": float(sums["slot_topk_hit"].sum()) / max(float(sums["slot_count"].sum()), 1.0),
+        "est_accept_len": estimated_acceptance_length(acc),
+        "num_anchors": float(sums["num_anchors"]),
+        "num_supervised_tokens": float(sums["slot_count"].sum()),
+    }
+    out.update({f"accuracy_pos_{k + 1}": a for k, a in enumerate(acc)})
+    loss = out["base_loss"]
+    if "selector_loss_sum" in sums:
+        sel_acc = (sums["slot_selector_correct"].double() / count).tolist()
+        out["selector_loss"] = float(sums["selector_loss_sum"]) / w
+        out["selector_accuracy"] = float(sums["slot_selector_correct"].sum()) / max(
+            float(sums["slot_count"].sum()), 1.0
+        )
+        out["est_accept_len_selector"] = estimated_acceptance_length(sel_acc)
+        loss += alpha * out["selector_loss"]
+    out["loss"] = loss
+    assert math.isfinite(loss), "non-finite loss"
+    return out
