@@ -1,0 +1,237 @@
+"""Atomic checkpoints, the `latest` pointer, rotation, and resume with the contract check.
+
+Layout of `run_dir/checkpoints/step_XXXXXXXX/`:
+  draft_config.json, draft.safetensors (full fp32 draft weights, what export reads), contract.json,
+  train_state.json, rng_rank{r}.safetensors + rng_rank{r}.json, backend/ (each rank's shard of draft,
+  optimizer and scheduler state), COMPLETE (written last).
+A checkpoint is written into `.tmp-step_XXXXXXXX` and renamed when complete, so a crash mid-save
+never touches the previous checkpoint and a half-written directory is never picked.
+Everything loads from safetensors and JSON: no pickles.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash2.dist.base import Backend
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+COMPLETE = "COMPLETE"
+STEP_PREFIX = "step_"
+TMP_PREFIX = ".tmp-"
+
+
+def step_dir_name(step: int) -> str:
+    return f"{STEP_PREFIX}{step:08d}"
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def _fsync_write(path: Path, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# ---- contract ----------------------------------------------------------------------------------------
+
+
+def _as_json(obj: Any) -> Any:
+    """Tuples become lists, as they do after a round trip through contract.json."""
+    return json.loads(json.dumps(obj))
+
+
+def validate_contract(saved: dict, new: dict) -> None:
+    """Raise ValueError listing every field whose saved and new values differ (or that one side lacks)."""
+    saved, new = _as_json(saved), _as_json(new)
+    missing = "<absent>"
+    mismatches = [
+        f"  {field}: saved {saved.get(field, missing)!r}, new {new.get(field, missing)!r}"
+        for field in sorted(set(saved) | set(new))
+        if saved.get(field, missing) != new.get(field, missing)
+    ]
+    if mismatches:
+        raise ValueError(
+            "the checkpoint was written by a different run setup; resuming would not continue the same run.\n"
+            "Mismatched contract fields:\n" + "\n".join(mismatches) + "\n"
+            "Restore these settings, or start a new run directory."
+        )
+
+
+# ---- RNG ---------------------------------------------------------------------------------------------
+
+
+def _save_rng(prefix: Path, generators: dict[str, torch.Generator]) -> None:
+    tensors = {"torch_cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, state in enumerate(torch.cuda.get_rng_state_all()):
+            tensors[f"torch_cuda_{i}"] = state
+    for name, generator in generators.items():
+        tensors[f"generator.{name}"] = generator.get_state()
+    save_file(tensors, str(prefix) + ".safetensors")
+    version, mt_state, gauss = random.getstate()
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
+    _write_json(
+        Path(str(prefix) + ".json"),
+        {
+            "python": [version, list(mt_state), gauss],
+            "numpy": [np_name, np_keys.tolist(), int(np_pos), int(np_has_gauss), float(np_gauss)],
+        },
+    )
+
+
+def _load_rng(prefix: Path, generators: dict[str, torch.Generator]) -> None:
+    tensors = load_file(str(prefix) + ".safetensors")
+    saved_generators = {key.split(".", 1)[1] for key in tensors if key.startswith("generator.")}
+    if saved_generators != set(generators):
+        raise ValueError(
+            f"checkpoint generators: saved {sorted(saved_generators)}, new {sorted(generators)}; "
+            "pass the same named generators to save_checkpoint and load_checkpoint"
+        )
+    torch.set_rng_state(tensors["torch_cpu"])
+    if torch.cuda.is_available():
+        cuda_states = [
+            tensors[f"torch_cuda_{i}"]
+            for i in range(torch.cuda.device_count())
+            if f"torch_cuda_{i}" in tensors
+        ]
+        torch.cuda.set_rng_state_all(cuda_states)
+    for name, generator in generators.items():
+        generator.set_state(tensors[f"generator.{name}"])
+    states = json.loads(Path(str(prefix) + ".json").read_text())
+    version, mt_state, gauss = states["python"]
+    random.setstate((version, tuple(mt_state), gauss))
+    np_name, np_keys, np_pos, np_has_gauss, np_gauss = states["numpy"]
+    np.random.set_state((np_name, np.array(np_keys, dtype=np.uint32), np_pos, np_has_gauss, np_gauss))
+
+
+# ---- save --------------------------------------------------------------------------------------------
+
+
+def save_checkpoint(
+    backend: Backend,
+    run_dir: Path,
+    step: int,
+    *,
+    draft_config: dict,
+    contract: dict,
+    train_state: dict,
+    keep_last: int,
+    generators: dict[str, torch.Generator] | None = None,
+) -> Path:
+    """Write checkpoint `step` (collective: every rank calls it); returns its final directory.
+
+    `train_state` is JSON the loop needs to continue (epoch, batch position in the epoch, ...); the
+    global step is stored with it. `generators` are named torch generators the loop draws from
+    (e.g. anchor sampling), saved per rank beside the global RNG states.
+    """
+    if keep_last < 1:
+        raise ValueError(f"keep_last must be >= 1, got {keep_last}")
+    root = Path(run_dir) / CHECKPOINTS
+    final = root / step_dir_name(step)
+    tmp = root / f"{TMP_PREFIX}{step_dir_name(step)}"
+    if backend.is_main:
+        if tmp.exists():  # left by a crash during an earlier save of this step
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    backend.barrier()
+
+    draft_state = backend.full_draft_state_dict()
+    if backend.is_main:
+        save_file({name: t.contiguous() for name, t in draft_state.items()}, str(tmp / "draft.safetensors"))
+        _write_json(tmp / "draft_config.json", draft_config)
+        _write_json(tmp / "contract.json", contract)
+        _write_json(tmp / "train_state.json", {**train_state, "step": step})
+    _save_rng(tmp / f"rng_rank{backend.rank:05d}", generators or {})
+    backend.save_state(tmp / "backend")
+    backend.barrier()
+
+    if backend.is_main:
+        _fsync_write(tmp / COMPLETE, json.dumps({"step": step, "world_size": backend.world_size}))
+        if final.exists():  # the same step saved again (e.g. after a resume): replace it
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _write_latest(root, final.name)
+        _rotate(root, keep_last, keep=final.name)
+    backend.barrier()
+    return final
+
+
+def _write_latest(root: Path, name: str) -> None:
+    tmp = root / f"{TMP_PREFIX}{LATEST}"
+    _fsync_write(tmp, name + "\n")
+    os.replace(tmp, root / LATEST)
+
+
+def _complete_step_dirs(root: Path) -> list[Path]:
+    """Complete checkpoint dirs, oldest first."""
+    if not root.is_dir():
+        return []
+    dirs = [
+        p
+        for p in root.iterdir()
+        if p.is_dir() and p.name.startswith(STEP_PREFIX) and (p / COMPLETE).is_file()
+    ]
+    return sorted(dirs, key=lambda p: int(p.name[len(STEP_PREFIX) :]))
+
+
+def _rotate(root: Path, keep_last: int, keep: str) -> None:
+    complete = _complete_step_dirs(root)
+    for old in complete[: max(0, len(complete) - keep_last)]:
+        if old.name != keep:
+            shutil.rmtree(old)
+
+
+# ---- find / load -------------------------------------------------------------------------------------
+
+
+def find_latest(run_dir: Path) -> Path | None:
+    """The checkpoint the `latest` pointer names; if the pointer is missing or names no complete
+    checkpoint, the newest complete `step_*` dir. `.tmp-*` dirs and dirs without COMPLETE never count."""
+    root = Path(run_dir) / CHECKPOINTS
+    pointer = root / LATEST
+    if pointer.is_file():
+        target = root / pointer.read_text().strip()
+        if target.name.startswith(STEP_PREFIX) and (target / COMPLETE).is_file():
+            return target
+    complete = _complete_step_dirs(root)
+    return complete[-1] if complete else None
+
+
+def load_checkpoint(
+    backend: Backend,
+    ckpt_dir: Path,
+    *,
+    contract: dict,
+    generators: dict[str, torch.Generator] | None = None,
+) -> dict:
+    """Validate the contract, then restore backend state and this rank's RNG (collective); returns train_state.
+
+    Call after backend.setup_draft(); the draft must be built exactly as in the saved run.
+    """
+    ckpt_dir = Path(ckpt_dir)
+    if not (ckpt_dir / COMPLETE).is_file():
+        raise ValueError(f"{ckpt_dir} is not a complete checkpoint (no {COMPLETE} marker); use find_latest()")
+    validate_contract(json.loads((ckpt_dir / "contract.json").read_text()), contract)
+    backend.load_state(ckpt_dir / "backend")
+    rng_prefix = ckpt_dir / f"rng_rank{backend.rank:05d}"
+    if not Path(str(rng_prefix) + ".safetensors").is_file():
+        raise ValueError(
+            f"{ckpt_dir} has no RNG state for rank {backend.rank}; resume on the same number of ranks"
+        )
+    _load_rng(rng_prefix, generators or {})
+    backend.barrier()
+    return json.loads((ckpt_dir / "train_state.json").read_text())

@@ -1,0 +1,179 @@
+"""The one interface between the training loop and a distribution backend (ZeRO-3 or FSDP2).
+
+The loop never asks which backend it has: it calls these methods on every rank, in the same order.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dflash2.models.target_head import TargetHead
+
+
+@dataclass
+class OptimConfig:
+    """AdamW + warmup/cosine schedule + clipping; `total_steps` counts optimizer steps."""
+
+    lr: float
+    total_steps: int
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    schedule: Literal["cosine", "constant"] = "cosine"
+    min_lr_ratio: float = 0.1
+    max_grad_norm: float = 1.0
+    grad_accum_steps: int = 1
+
+    def __post_init__(self) -> None:
+        if self.lr <= 0:
+            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
+        if self.total_steps < 1:
+            raise ValueError(f"optim.total_steps must be >= 1, got {self.total_steps}")
+        if not 0 <= self.warmup_steps <= self.total_steps:
+            raise ValueError(
+                f"optim.warmup_steps must be in [0, total_steps={self.total_steps}], got {self.warmup_steps}"
+            )
+        if self.schedule not in ("cosine", "constant"):
+            raise ValueError(f"optim.schedule must be 'cosine' or 'constant', got {self.schedule!r}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if self.max_grad_norm <= 0:
+            raise ValueError(f"optim.max_grad_norm must be > 0, got {self.max_grad_norm}")
+        if self.grad_accum_steps < 1:
+            raise ValueError(f"optim.grad_accum_steps must be >= 1, got {self.grad_accum_steps}")
+
+
+def lr_multiplier(optim: OptimConfig) -> Callable[[int], float]:
+    """LR factor for the `step`-th optimizer update (0-based): linear warmup, then cosine to min_lr_ratio."""
+
+    def factor(step: int) -> float:
+        if step < optim.warmup_steps:
+            return (step + 1) / optim.warmup_steps
+        if optim.schedule == "constant":
+            return 1.0
+        decay_steps = max(1, optim.total_steps - optim.warmup_steps)
+        progress = min(1.0, (step - optim.warmup_steps) / decay_steps)
+        return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def build_optimizer(
+    params, optim: OptimConfig
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """torch AdamW and its LambdaLR schedule (the same objects for both backends)."""
+    optimizer = torch.optim.AdamW(
+        params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay
+    )
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(optim))
+
+
+def sharded_block_types(model: nn.Module) -> tuple[str, ...]:
+    """Class names of the blocks sharded one by one (Hugging Face's `_no_split_modules` convention)."""
+    return tuple(getattr(model, "_no_split_modules", None) or ())
+
+
+class Backend(ABC):
+    """Owns the process groups, the frozen sharded target and the trainable sharded draft.
+
+    `target_group` holds the target's shards, `draft_group` is the draft's data-parallel group; both
+    default to the whole world. Every method documented as collective must be called on every rank
+    of the group concerned.
+    """
+
+    def __init__(
+        self,
+        *,
+        micro_batch_size: int,
+        grad_accum_steps: int,
+        target_group: dist.ProcessGroup | None = None,
+        draft_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("call dflash2.dist.init_distributed() before building a backend")
+        if micro_batch_size < 1 or grad_accum_steps < 1:
+            raise ValueError(
+                f"micro_batch_size ({micro_batch_size}) and grad_accum_steps ({grad_accum_steps}) must be >= 1"
+            )
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        self.device = torch.device(f"cuda:{self.local_rank}" if torch.cuda.is_available() else "cpu")
+        self.is_main = self.rank == 0
+        self.micro_batch_size = micro_batch_size
+        self.grad_accum_steps = grad_accum_steps
+        self.target_group = target_group
+        self.draft_group = draft_group
+        self.draft_world_size = dist.get_world_size(draft_group)
+        # floating-point inputs of the draft must be cast to this dtype (set by setup_draft)
+        self.compute_dtype = torch.float32
+
+    @abstractmethod
+    def load_target(self, target_dir: str, dtype: torch.dtype) -> nn.Module:
+        """Hugging Face causal LM from a safetensors dir: frozen, eval(), sharded over the target group."""
+
+    @abstractmethod
+    def target_head(self, target: nn.Module, dtype: torch.dtype) -> TargetHead:
+        """Full embedding + LM head on every rank, gathered from the shards (collective)."""
+
+    @abstractmethod
+    def target_hidden_states(
+        self, target: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        """`target(..., output_hidden_states=True).hidden_states`: embeddings + one [b, S, H] per layer (collective)."""
+
+    @abstractmethod
+    def setup_draft(
+        self, draft: nn.Module, optim: OptimConfig, precision: Literal["fp32", "bf16"]
+    ) -> nn.Module:
+        """Shard the trainable draft, build AdamW + LR schedule; returns the module to call like the draft."""
+
+    @abstractmethod
+    def backward(self, loss: torch.Tensor) -> None:
+        """`loss` = this rank's micro-batch loss_sum / the global weight sum of the whole optimizer step.
+
+        After the step's last micro-batch, the gradient equals d(sum over ranks and micro-steps)/d(params).
+        """
+
+    @abstractmethod
+    def step(self) -> dict[str, float]:
+        """Clip, optimizer step, scheduler step, zero grads; returns {"grad_norm", "lr"} (pre-clip norm,
+        the LR this update used). Call once per optimizer step, after grad_accum_steps backward calls."""
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over the draft's data-parallel ranks; returns a new tensor (collective)."""
+        out = tensor.detach().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.draft_group)
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    @abstractmethod
+    def full_draft_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Full fp32 draft weights on rank 0 under the draft's own names; None on other ranks (collective)."""
+
+    @abstractmethod
+    def save_state(self, ckpt_dir: Path) -> None:
+        """Each rank writes its shard of draft, optimizer and scheduler state into ckpt_dir (collective)."""
+
+    @abstractmethod
+    def load_state(self, ckpt_dir: Path) -> None:
+        """Restore what save_state wrote, on the same number of ranks (collective)."""
+
+    def _check_micro_step(self, micro_steps: int) -> None:
+        if micro_steps != self.grad_accum_steps:
+            raise RuntimeError(
+                f"step() after {micro_steps} backward calls; expected grad_accum_steps={self.grad_accum_steps}"
+            )

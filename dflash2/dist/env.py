@@ -1,0 +1,162 @@
+"""Process-group start-up (torchrun, the deepspeed launcher, or plain `python`) and backend construction."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+
+from dflash2.dist.base import Backend
+
+BackendName = Literal["deepspeed", "fsdp"]
+BACKEND_NAMES = ("deepspeed", "fsdp")
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _local_rank_from_argv(argv: list[str]) -> int | None:
+    """The deepspeed launcher may pass `--local_rank=N` (or `--local_rank N`) instead of setting LOCAL_RANK."""
+    for i, arg in enumerate(argv):
+        if arg.startswith("--local_rank=") or arg.startswith("--local-rank="):
+            return int(arg.split("=", 1)[1])
+        if arg in ("--local_rank", "--local-rank") and i + 1 < len(argv):
+            return int(argv[i + 1])
+    return None
+
+
+def _fill_launch_env() -> None:
+    if "LOCAL_RANK" not in os.environ:
+        argv_local_rank = _local_rank_from_argv(sys.argv)
+        if argv_local_rank is not None:
+            os.environ["LOCAL_RANK"] = str(argv_local_rank)
+    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+        # plain `python`: a one-process world on this machine
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    missing = [
+        name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ
+    ]
+    if missing:
+        raise ValueError(
+            f"launcher environment is incomplete: {missing} unset; launch with torchrun or deepspeed"
+        )
+    os.environ.setdefault("LOCAL_RANK", "0")
+
+
+def init_distributed(backend_name: BackendName) -> tuple[int, int, int]:
+    """Start the default process group (gloo on CPU, nccl on CUDA); returns (rank, world_size, local_rank).
+
+    Works under torchrun, under the deepspeed launcher and as a plain one-process `python` run.
+    Idempotent: a second call returns the existing group's coordinates.
+    """
+    if backend_name not in BACKEND_NAMES:
+        raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend_name!r}")
+    _fill_launch_env()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(local_rank)
+        comm = "nccl" if torch.cuda.is_available() else "gloo"
+        if backend_name == "deepspeed":
+            import deepspeed
+
+            deepspeed.init_distributed(dist_backend=comm, auto_mpi_discovery=False)
+        else:
+            dist.init_process_group(backend=comm)
+    return dist.get_rank(), dist.get_world_size(), local_rank
+
+
+def resolve_ds_config(
+    ds_config: dict[str, Any], *, micro_batch_size: int, grad_accum_steps: int, dp_world_size: int
+) -> dict[str, Any]:
+    """Write the run's batch sizes into a DeepSpeed JSON that holds only ZeRO / precision knobs.
+
+    A value already in the JSON must be "auto" or agree with the run config.
+    """
+    config = json.loads(json.dumps(ds_config))
+    for section in ("optimizer", "scheduler"):
+        if section in config:
+            raise ValueError(
+                f"DeepSpeed config sets '{section}'; remove it: the optimizer and LR schedule come from the run config"
+            )
+    if config.get("fp16", {}).get("enabled") not in (None, False, "auto"):
+        raise ValueError("DeepSpeed config enables fp16; use precision 'bf16' in the run config instead")
+    sizes = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": grad_accum_steps,
+        "train_batch_size": micro_batch_size * grad_accum_steps * dp_world_size,
+    }
+    for key, value in sizes.items():
+        set_ds_value(config, key, value, source="the run config")
+    return config
+
+
+def set_ds_value(config: dict[str, Any], key: str, value: Any, *, source: str) -> None:
+    """Set `key` (dotted for nested sections) unless the JSON already holds a different concrete value."""
+    *parents, leaf = key.split(".")
+    node = config
+    for part in parents:
+        node = node.setdefault(part, {})
+    current = node.get(leaf, "auto")
+    if current != "auto" and current != value:
+        raise ValueError(
+            f"DeepSpeed config sets {key}={current!r} but {source} gives {value!r}; "
+            f'remove it from the DeepSpeed JSON (or set it to "auto")'
+        )
+    node[leaf] = value
+
+
+def build_backend(
+    name: BackendName,
+    ds_config_path: str | None,
+    micro_batch_size: int,
+    grad_accum_steps: int,
+    *,
+    target_group: dist.ProcessGroup | None = None,
+    draft_group: dist.ProcessGroup | None = None,
+) -> Backend:
+    """The backend `name`, after init_distributed(name). `ds_config_path` is required for deepspeed only."""
+    if name == "deepspeed":
+        if ds_config_path is None:
+            raise ValueError("backend 'deepspeed' needs a ds_config path (e.g. ds_configs/zero3.json)")
+        from dflash2.dist.deepspeed_backend import DeepSpeedBackend
+
+        ds_config = json.loads(Path(ds_config_path).read_text())
+        dp_world_size = dist.get_world_size(draft_group)
+        resolved = resolve_ds_config(
+            ds_config,
+            micro_batch_size=micro_batch_size,
+            grad_accum_steps=grad_accum_steps,
+            dp_world_size=dp_world_size,
+        )
+        return DeepSpeedBackend(
+            resolved,
+            micro_batch_size=micro_batch_size,
+            grad_accum_steps=grad_accum_steps,
+            target_group=target_group,
+            draft_group=draft_group,
+        )
+    if name == "fsdp":
+        if ds_config_path is not None:
+            raise ValueError(
+                f"ds_config {ds_config_path!r} is only used by backend 'deepspeed'; unset it for 'fsdp'"
+            )
+        from dflash2.dist.fsdp_backend import FSDPBackend
+
+        return FSDPBackend(
+            micro_batch_size=micro_batch_size,
+            grad_accum_steps=grad_accum_steps,
+            target_group=target_group,
+            draft_group=draft_group,
+        )
+    raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {name!r}")

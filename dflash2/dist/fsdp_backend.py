@@ -1,0 +1,199 @@
+"""FSDP2 (`fully_shard`): the frozen target and the trainable draft, each sharded per block + root."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
+
+from dflash2.dist import state_io
+from dflash2.dist.base import Backend, OptimConfig, build_optimizer, sharded_block_types
+from dflash2.models.target_head import TargetHead
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+class FSDPBackend(Backend):
+    name = "fsdp"
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.target_mesh = self._mesh(self.target_group)
+        self.draft_mesh = self._mesh(self.draft_group)
+        self.draft: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self.max_grad_norm = 0.0
+        self._micro_steps = 0
+
+    def _mesh(self, group: dist.ProcessGroup | None) -> DeviceMesh:
+        if group is None:
+            return init_device_mesh(self.device.type, (self.world_size,))
+        return DeviceMesh.from_group(group, self.device.type)
+
+    def _shard(
+        self, model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None
+    ) -> None:
+        """fully_shard every block named in `_no_split_modules`, then the root (which holds the rest)."""
+        block_types = sharded_block_types(model)
+        kwargs = {"mesh": mesh} if mp_policy is None else {"mesh": mesh, "mp_policy": mp_policy}
+        for module in list(model.modules())[1:]:
+            if type(module).__name__ in block_types:
+                fully_shard(module, **kwargs)
+        fully_shard(model, **kwargs)
+
+    # ---- target -------------------------------------------------------------------------------------
+
+    def load_target(self, target_dir: str, dtype: torch.dtype) -> nn.Module:
+        if dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"target dtype must be float32 or bfloat16 (fp16 is unsupported), got {dtype}")
+        # every rank reads the full weights to CPU once; fully_shard then keeps only its own shard
+        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype)
+        if not sharded_block_types(model):
+            raise ValueError(
+                f"target {type(model).__name__} declares no _no_split_modules (decoder layer class)"
+            )
+        model.requires_grad_(False)
+        model.eval()
+        self._shard(model, self.target_mesh)
+        return model.to(self.device)
+
+    def target_head(self, target: nn.Module, dtype: torch.dtype) -> TargetHead:
+        head = target.get_output_embeddings()
+        if head is None:
+            raise ValueError("the target has no output embeddings (LM head); pass a *ForCausalLM model")
+        bias = getattr(head, "bias", None)
+        tensors = (target.get_input_embeddings().weight, head.weight, bias)
+        copies = [None if t is None else _full(t.detach()).clone().to(self.device, dtype) for t in tensors]
+        return TargetHead(*copies)
+
+    @torch.no_grad()
+    def target_hidden_states(
+        self, target: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        # logits_to_keep=1: the LM head runs on one position only; its output is not used here
+        out = target(
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention_mask.to(self.device),
+            output_hidden_states=True,
+            use_cache=False,
+            logits_to_keep=1,
+        )
+        return out.hidden_states
+
+    # ---- draft --------------------------------------------------------------------------------------
+
+    def setup_draft(
+        self, draft: nn.Module, optim: OptimConfig, precision: Literal["fp32", "bf16"]
+    ) -> nn.Module:
+        if precision not in ("fp32", "bf16"):
+            raise ValueError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
+        if optim.grad_accum_steps != self.grad_accum_steps:
+            raise ValueError(
+                f"optim.grad_accum_steps={optim.grad_accum_steps} but the backend was built with "
+                f"grad_accum_steps={self.grad_accum_steps}"
+            )
+        # fp32 master weights; bf16 only for compute, gradients reduced in fp32
+        mp_policy = None
+        if precision == "bf16":
+            mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        draft.float()
+        self._shard(draft, self.draft_mesh, mp_policy)
+        draft.to(self.device)
+        for module in draft.modules():
+            if isinstance(module, FSDPModule):
+                # sum, not average, over ranks: the loss is already normalised by the global weight sum
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+        self.draft = draft
+        self.optimizer, self.scheduler = build_optimizer(
+            [p for p in draft.parameters() if p.requires_grad], optim
+        )
+        self.max_grad_norm = optim.max_grad_norm
+        self.compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        return draft
+
+    def _require_draft(self) -> nn.Module:
+        if self.draft is None:
+            raise RuntimeError("call setup_draft() first")
+        return self.draft
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self._require_draft()
+        loss.backward()  # gradients accumulate in the sharded .grad across micro-steps
+        self._micro_steps += 1
+
+    def step(self) -> dict[str, float]:
+        draft = self._require_draft()
+        self._check_micro_step(self._micro_steps)
+        params = [p for p in draft.parameters() if p.requires_grad]
+        grad_norm = _full(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self._micro_steps = 0
+        return {"grad_norm": float(grad_norm), "lr": float(lr)}
+
+    # ---- state --------------------------------------------------------------------------------------
+
+    def full_draft_state_dict(self) -> dict[str, torch.Tensor] | None:
+        state = {}
+        for name, tensor in self._require_draft().state_dict().items():
+            full = _full(tensor.detach())  # collective for sharded tensors: every rank runs it
+            if self.is_main:
+                state[name] = full.float().cpu().clone()
+        return state if self.is_main else None
+
+    def save_state(self, ckpt_dir: Path) -> None:
+        draft = self._require_draft()
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        state = {
+            "model": draft.state_dict(),  # DTensors: stored as this rank's shard
+            "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": self.scheduler.state_dict(),
+        }
+        state_io.save_state(state, ckpt_dir / f"rank{self.rank:05d}")
+        if self.is_main:
+            state_io.write_backend_meta(ckpt_dir, self.name, self.world_size)
+        dist.barrier()
+
+    def load_state(self, ckpt_dir: Path) -> None:
+        draft = self._require_draft()
+        state_io.check_backend_meta(ckpt_dir, self.name, self.world_size)
+        state = state_io.load_state(ckpt_dir / f"rank{self.rank:05d}")
+        with torch.no_grad():
+            for name, tensor in draft.state_dict().items():
+                local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+                local.copy_(state["model"][name])
+        self.optimizer.load_state_dict(self._as_dtensors(state["optimizer"]))
+        self.scheduler.load_state_dict(state["lr_scheduler"])
+        self._micro_steps = 0
+        dist.barrier()
+
+    def _as_dtensors(self, optimizer_state: dict) -> dict:
+        """Wrap saved local shards of per-parameter optimizer state back into DTensors like their params."""
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
+        for index, param_state in optimizer_state["state"].items():
+            param = params[index]
+            if not isinstance(param, DTensor):
+                continue
+            for key, value in param_state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    param_state[key] = DTensor.from_local(
+                        value.to(self.device),
+                        param.device_mesh,
+                        param.placements,
+                        shape=param.shape,
+                        stride=param.stride(),
+                    )
+        return optimizer_state
