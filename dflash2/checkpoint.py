@@ -57,11 +57,14 @@ def _as_json(obj: Any) -> Any:
 def validate_contract(saved: dict, new: dict) -> None:
     """Raise ValueError listing every field whose saved and new values differ (or that one side lacks)."""
     saved, new = _as_json(saved), _as_json(new)
-    missing = "<absent>"
+
+    def show(contract: dict, field: str) -> str:
+        return repr(contract[field]) if field in contract else "<absent>"
+
     mismatches = [
-        f"  {field}: saved {saved.get(field, missing)!r}, new {new.get(field, missing)!r}"
+        f"  {field}: saved {show(saved, field)}, new {show(new, field)}"
         for field in sorted(set(saved) | set(new))
-        if saved.get(field, missing) != new.get(field, missing)
+        if field not in saved or field not in new or saved[field] != new[field]
     ]
     if mismatches:
         raise ValueError(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 from pathlib import Path
@@ -18,7 +19,8 @@ from safetensors.torch import save_file
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from dflash2.checkpoint import find_latest, load_checkpoint, save_checkpoint  # noqa: E402
+from dflash2 import checkpoint  # noqa: E402
+from dflash2.checkpoint import find_latest, load_checkpoint  # noqa: E402
 from dflash2.dist import OptimConfig, build_backend, init_distributed  # noqa: E402
 from tests.dist_scripts.tiny import StandInDraft, micro_batch, weighted_loss_sum  # noqa: E402
 
@@ -116,7 +118,7 @@ def train(backend, args, out: Path) -> None:
             backend.backward(loss / weight_sum)
         stats.append(backend.step())
         if step + 1 == args.save_at:
-            save_checkpoint(
+            checkpoint.save_checkpoint(
                 backend,
                 run_dir,
                 step + 1,
@@ -132,6 +134,12 @@ def train(backend, args, out: Path) -> None:
         save_file(initial, str(out / "initial.safetensors"))
         save_file(final, str(out / "final.safetensors"))
         (out / "stats.json").write_text(json.dumps(stats))
+    if args.crash_in_final_save:
+        # rank 0 dies just before the rename that would publish the checkpoint
+        checkpoint.os.rename = lambda *_: os._exit(3)
+        checkpoint.save_checkpoint(
+            backend, run_dir, args.steps, draft_config={}, contract=CONTRACT, train_state={}, keep_last=2
+        )
 
 
 def main() -> None:
@@ -145,6 +153,7 @@ def main() -> None:
     parser.add_argument("--save-at", type=int, default=-1)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--skip-target", action="store_true")
+    parser.add_argument("--crash-in-final-save", action="store_true")
     args = parser.parse_args()
 
     init_distributed(args.backend)

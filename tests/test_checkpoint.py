@@ -1,0 +1,188 @@
+"""Single-process checkpoint logic: contract check, atomic layout, latest pointer, rotation, RNG."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash2.checkpoint import find_latest, load_checkpoint, save_checkpoint, validate_contract
+from dflash2.dist import state_io
+
+CONTRACT = {"architecture": "DFlash2DraftModel", "block_size": 16, "target_layer_ids": [1, 3], "gamma": None}
+
+
+class FakeBackend:
+    """One rank, no process group: records what the checkpoint code asks of a backend."""
+
+    rank, world_size, is_main = 0, 1, True
+
+    def __init__(self, weight: float = 1.0) -> None:
+        self.weight = weight
+        self.loaded_from: Path | None = None
+
+    def barrier(self) -> None:
+        pass
+
+    def full_draft_state_dict(self) -> dict[str, torch.Tensor]:
+        return {"layer.weight": torch.full((2, 3), self.weight)}
+
+    def save_state(self, ckpt_dir: Path) -> None:
+        ckpt_dir.mkdir(parents=True)
+        (ckpt_dir / "state.json").write_text(json.dumps({"weight": self.weight}))
+
+    def load_state(self, ckpt_dir: Path) -> None:
+        self.weight = json.loads((ckpt_dir / "state.json").read_text())["weight"]
+        self.loaded_from = ckpt_dir
+
+
+def save(backend, run_dir: Path, step: int, keep_last: int = 3, **kwargs) -> Path:
+    return save_checkpoint(
+        backend,
+        run_dir,
+        step,
+        draft_config={"hidden_size": 8},
+        contract=CONTRACT,
+        train_state={"epoch": 1, "batch_in_epoch": step * 2},
+        keep_last=keep_last,
+        **kwargs,
+    )
+
+
+def test_contract_mismatch_lists_every_field_with_both_values():
+    new = {**CONTRACT, "block_size": 8, "target_layer_ids": [1, 2], "num_anchors": 4}
+    del new["gamma"]
+    with pytest.raises(ValueError) as err:
+        validate_contract(CONTRACT, new)
+    message = str(err.value)
+    assert "block_size: saved 16, new 8" in message
+    assert "target_layer_ids: saved [1, 3], new [1, 2]" in message
+    assert "num_anchors: saved <absent>, new 4" in message
+    assert "gamma: saved None, new <absent>" in message
+    assert "architecture" not in message
+
+
+def test_contract_accepts_tuples_for_saved_lists():
+    validate_contract(CONTRACT, {**CONTRACT, "target_layer_ids": (1, 3)})
+
+
+def test_checkpoint_layout_and_latest_pointer(tmp_path):
+    ckpt = save(FakeBackend(weight=2.0), tmp_path, 5)
+    assert ckpt == tmp_path / "checkpoints" / "step_00000005"
+    names = {p.name for p in ckpt.iterdir()}
+    expected = {
+        "draft.safetensors",
+        "draft_config.json",
+        "contract.json",
+        "train_state.json",
+        "backend",
+        "COMPLETE",
+    }
+    assert expected | {"rng_rank00000.safetensors", "rng_rank00000.json"} == names
+    assert torch.equal(load_file(str(ckpt / "draft.safetensors"))["layer.weight"], torch.full((2, 3), 2.0))
+    assert json.loads((ckpt / "train_state.json").read_text()) == {
+        "epoch": 1,
+        "batch_in_epoch": 10,
+        "step": 5,
+    }
+    assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000005"
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+    assert find_latest(tmp_path) == ckpt
+
+
+def test_rotation_keeps_the_last_n(tmp_path):
+    for step in (1, 2, 3, 4, 5):
+        save(FakeBackend(), tmp_path, step, keep_last=2)
+    remaining = sorted(p.name for p in (tmp_path / "checkpoints").iterdir() if p.is_dir())
+    assert remaining == ["step_00000004", "step_00000005"]
+
+
+def test_find_latest_ignores_half_written_dirs(tmp_path):
+    assert find_latest(tmp_path) is None
+    good = save(FakeBackend(), tmp_path, 2)
+    root = tmp_path / "checkpoints"
+    # a crash before the rename leaves a .tmp dir; one without the marker is never complete either
+    (root / ".tmp-step_00000009").mkdir()
+    (root / ".tmp-step_00000009" / "COMPLETE").write_text("{}")
+    (root / "step_00000007").mkdir()
+    (root / "step_00000007" / "draft.safetensors").write_text("partial")
+    assert find_latest(tmp_path) == good
+    # without the pointer: the newest complete dir
+    (root / "latest").unlink()
+    assert find_latest(tmp_path) == good
+    # a pointer naming an incomplete dir is not followed
+    (root / "latest").write_text("step_00000007\n")
+    assert find_latest(tmp_path) == good
+
+
+def test_resave_after_crash_replaces_leftover_tmp(tmp_path):
+    leftover = tmp_path / "checkpoints" / ".tmp-step_00000003"
+    leftover.mkdir(parents=True)
+    (leftover / "junk").write_text("from a crashed save")
+    ckpt = save(FakeBackend(), tmp_path, 3)
+    assert not leftover.exists()
+    assert not (ckpt / "junk").exists()
+
+
+def test_load_restores_rng_generators_and_backend_state(tmp_path):
+    generator = torch.Generator().manual_seed(11)
+    torch.manual_seed(1)
+    random.seed(2)
+    np.random.seed(3)
+    torch.randn(5, generator=generator)
+    ckpt = save(FakeBackend(weight=4.0), tmp_path, 1, generators={"anchors": generator})
+    expected = (torch.rand(4), random.random(), np.random.rand(3), torch.rand(2, generator=generator))
+
+    torch.manual_seed(99)
+    random.seed(99)
+    np.random.seed(99)
+    generator.manual_seed(99)
+    backend = FakeBackend(weight=0.0)
+    train_state = load_checkpoint(backend, ckpt, contract=dict(CONTRACT), generators={"anchors": generator})
+    assert train_state["step"] == 1
+    assert backend.weight == 4.0 and backend.loaded_from == ckpt / "backend"
+    got = (torch.rand(4), random.random(), np.random.rand(3), torch.rand(2, generator=generator))
+    assert torch.equal(got[0], expected[0])
+    assert got[1] == expected[1]
+    assert np.array_equal(got[2], expected[2])
+    assert torch.equal(got[3], expected[3])
+
+
+def test_contract_is_checked_before_any_state_is_touched(tmp_path):
+    ckpt = save(FakeBackend(weight=4.0), tmp_path, 1)
+    torch.manual_seed(5)
+    expected_draw = torch.rand(3)
+    torch.manual_seed(5)
+    backend = FakeBackend(weight=0.0)
+    with pytest.raises(ValueError, match="block_size: saved 16, new 32"):
+        load_checkpoint(backend, ckpt, contract={**CONTRACT, "block_size": 32})
+    assert backend.loaded_from is None and backend.weight == 0.0
+    assert torch.equal(torch.rand(3), expected_draw)  # global RNG untouched
+
+
+def test_load_refuses_an_incomplete_dir(tmp_path):
+    (tmp_path / "step_00000001").mkdir()
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        load_checkpoint(FakeBackend(), tmp_path / "step_00000001", contract=CONTRACT)
+
+
+def test_state_io_round_trip_without_pickle(tmp_path):
+    optimizer = torch.optim.AdamW(torch.nn.Linear(3, 2).parameters(), lr=0.1, betas=(0.9, 0.95))
+    for p in optimizer.param_groups[0]["params"]:
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    state = {"optimizer": optimizer.state_dict(), "counters": {"global_steps": 3}, "none": None}
+    state_io.save_state(state, tmp_path / "rank00000")
+    loaded = state_io.load_state(tmp_path / "rank00000")
+    assert loaded["counters"] == {"global_steps": 3} and loaded["none"] is None
+    assert loaded["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.95)  # tuples stay tuples
+    for index, param_state in state["optimizer"]["state"].items():  # int keys survive
+        for key, value in param_state.items():
+            assert torch.equal(loaded["optimizer"]["state"][index][key], value)
+    with pytest.raises(TypeError, match="without pickling"):
+        state_io.save_state({"object": object()}, tmp_path / "bad")
