@@ -1,0 +1,414 @@
+"""Memory planning on the meta device: what every rank holds for a run config, before any GPU is used.
+
+    python -m dflash2.plan configs/recipes/qwen3.6-27b-dflash2-8gpu-zero3.yaml --world-size 8 \\
+        --target-config configs/target/qwen3.6-27b.json [--device-gb 80] [key=value ...]
+
+The draft is built with `build_draft` and the target with `AutoModelForCausalLM.from_config`, both on
+`torch.device("meta")`, so parameter counts and sharding units are exact while nothing is allocated.
+Activations are estimates from the shapes of one micro-batch (see `draft_activation_bytes`). The plan
+follows the run config: backend (ZeRO-3 / FSDP2 shard over the data-parallel ranks), precision,
+topology (colocated, or disaggregated with the target on `capture_ranks` only) and the DeepSpeed
+JSON's offload settings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dflash2.config import RunConfig, load_run_config
+
+GIB = 2**30
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+FP32 = 4
+# CUDA context, NCCL buffers and allocator fragmentation: a typical allowance, not a measurement.
+RUNTIME_ALLOWANCE_BYTES = 2 * GIB
+
+# Saved-for-backward tensors of one draft layer, counted per element of the shapes they scale with
+# (read off the layer code, checked against a real CPU run in tests/test_plan.py). "act" tensors are
+# in the compute dtype; RMSNorm and the attention softmax keep fp32 copies whatever the dtype.
+LAYER_HIDDEN_ACT, LAYER_HIDDEN_FP32 = 20, 2  # per block row x H: norms, convs, residuals, projections
+LAYER_HEADS_ACT, LAYER_HEADS_FP32 = 5, 1  # per block row x (nh + 2 nkv) x d: q/k/v, norms, RoPE
+LAYER_MLP_ACT = 4  # per block row x I: gate, up, activation, product
+LAYER_CONTEXT_ACT, LAYER_CONTEXT_FP32 = 4, 1  # per context row x nkv x d: context keys/values, k_norm
+
+
+@dataclass
+class Item:
+    """One line of a rank's memory: `where` is "gpu" or "cpu" (offloaded)."""
+
+    name: str
+    num_bytes: float
+    note: str = ""
+    where: str = "gpu"
+
+
+@dataclass
+class RolePlan:
+    """The memory of one rank of a role (all ranks of a role hold the same)."""
+
+    role: str  # "colocated" (target and draft on every rank), or "capture" / "trainer" (disaggregated)
+    num_ranks: int
+    items: list[Item] = field(default_factory=list)
+
+    def total(self, where: str = "gpu") -> float:
+        return sum(item.num_bytes for item in self.items if item.where == where)
+
+
+@dataclass
+class Plan:
+    header: list[str]
+    roles: list[RolePlan]
+    device_bytes: float
+    warnings: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameter counts of a model, by the units the backends shard and gather.
+
+    `blocks` are the modules named in `_no_split_modules` (one FSDP unit each); `root` is everything
+    else (the root unit). `largest_module` is the largest set of a module's own parameters: ZeRO-3
+    gathers module by module.
+    """
+
+    total: int
+    blocks: tuple[int, ...]
+    root: int
+    largest_module: int
+
+    @property
+    def largest_block(self) -> int:
+        return max(self.blocks, default=0)
+
+
+def count_params(model: nn.Module) -> ParamCounts:
+    block_types = set(getattr(model, "_no_split_modules", None) or ())
+    blocks = tuple(
+        sum(p.numel() for p in module.parameters())
+        for module in list(model.modules())[1:]
+        if type(module).__name__ in block_types
+    )
+    total = sum(p.numel() for p in model.parameters())
+    largest_module = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    return ParamCounts(total=total, blocks=blocks, root=total - sum(blocks), largest_module=largest_module)
+
+
+# ------------------------------------------------------------------ models on meta
+
+
+def load_target_config(path: str | Path):
+    """A transformers config from a config.json file or a checkpoint directory holding one."""
+    from transformers import AutoConfig
+
+    path = Path(path)
+    if path.is_dir():
+        return AutoConfig.from_pretrained(path)
+    if not path.is_file():
+        raise ValueError(f"target config {path} does not exist; pass --target-config <config.json or dir>")
+    data = json.loads(path.read_text())
+    if "model_type" not in data:
+        raise ValueError(f"{path}: a target config.json needs a model_type (e.g. qwen3)")
+    return AutoConfig.for_model(**data)
+
+
+def meta_models(cfg: RunConfig, target_config) -> tuple[nn.Module, nn.Module]:
+    """(draft, target) on the meta device; the draft is validated against the target config."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash2.models import build_draft
+
+    with torch.device("meta"):
+        draft = build_draft(cfg.model.draft_config, target_config=target_config)
+        target = AutoModelForCausalLM.from_config(target_config)
+    return draft, target
+
+
+# ------------------------------------------------------------------ pieces
+
+
+def ds_offload(cfg: RunConfig) -> tuple[bool, bool]:
+    """(offload_param, offload_optimizer) from the DeepSpeed JSON; both False for FSDP."""
+    if cfg.backend != "deepspeed":
+        return False, False
+    path = Path(cfg.ds_config)
+    if not path.is_file():
+        raise ValueError(f"ds_config {cfg.ds_config!r} does not exist; set ds_config to a DeepSpeed JSON")
+    zero = json.loads(path.read_text()).get("zero_optimization", {})
+
+    def offloaded(key: str) -> bool:
+        return zero.get(key, {}).get("device", "none") in ("cpu", "nvme")
+
+    return offloaded("offload_param"), offloaded("offload_optimizer")
+
+
+def draft_state_items(
+    counts: ParamCounts, cfg: RunConfig, num_shards: int, offload: tuple[bool, bool]
+) -> list[Item]:
+    """Parameters, gradients and AdamW state of the draft, sharded over `num_shards` ranks."""
+    numel, act = counts.total / num_shards, DTYPE_BYTES[cfg.precision]
+    params_where = "cpu" if offload[0] else "gpu"
+    optim_where = "cpu" if offload[1] else "gpu"
+    per = f"{counts.total / 1e9:.3f} B / {num_shards}"
+    if cfg.backend == "fsdp":
+        # fp32 sharded parameters are the master weights; bf16 exists only as gathered compute copies
+        return [
+            Item("draft parameters", numel * FP32, f"{per}, fp32 shards"),
+            Item("draft gradients", numel * FP32, f"{per}, fp32 shards"),
+            Item("draft optimizer state", numel * 2 * FP32, "AdamW exp_avg + exp_avg_sq, fp32"),
+        ]
+    if cfg.precision == "fp32":
+        return [
+            Item("draft parameters", numel * FP32, f"{per}, fp32 partitions", params_where),
+            Item("draft gradients", numel * FP32, f"{per}, fp32 partitions", optim_where),
+            Item("draft optimizer state", numel * 2 * FP32, "AdamW exp_avg + exp_avg_sq", optim_where),
+        ]
+    return [
+        Item("draft parameters", numel * act, f"{per}, bf16 partitions", params_where),
+        Item("draft gradients", numel * act, f"{per}, bf16 partitions"),
+        Item("draft fp32 gradients (step)", numel * FP32, "fp32 copy of the partition", optim_where),
+        Item("draft optimizer state", numel * 3 * FP32, "fp32 master + exp_avg + exp_avg_sq", optim_where),
+    ]
+
+
+def gathered_bytes(
+    counts: ParamCounts, backend: str, dtype_bytes: int, with_grads: bool
+) -> tuple[float, str]:
+    """Parameters held unsharded at the peak of a forward/backward."""
+    if backend == "fsdp":
+        # FSDP2 keeps the root unit unsharded after forward; one block computes while the next prefetches.
+        numel = counts.root + 2 * counts.largest_block
+        grads = counts.largest_block * FP32 if with_grads else 0  # unsharded grads before reduce-scatter
+        note = "root unit + 2 blocks (compute + prefetch)" + (
+            " + one block's fp32 grads" if with_grads else ""
+        )
+        return numel * dtype_bytes + grads, note
+    numel = max(counts.largest_module, 2 * counts.largest_block)
+    return numel * dtype_bytes, "largest of one module / 2 blocks (compute + prefetch)"
+
+
+@dataclass(frozen=True)
+class StepShapes:
+    """Shapes of one micro-batch (see docs/architecture.md for the letters)."""
+
+    batch: int  # b
+    seq_len: int  # S
+    num_anchors: int  # N
+    block_size: int  # B
+    hidden: int  # H
+    intermediate: int  # draft I
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int  # draft layers
+    num_features: int  # K target layers captured
+    selector_top_k: int  # 0 without a selector
+    selector_rank: int
+
+
+def step_shapes(cfg: RunConfig, draft: nn.Module) -> StepShapes:
+    c = draft.config
+    selector = getattr(draft, "candidate_selector", None)
+    return StepShapes(
+        batch=cfg.train.micro_batch_size,
+        seq_len=cfg.data.max_length,
+        num_anchors=cfg.objective.num_anchors,
+        block_size=draft.block_size,
+        hidden=c.hidden_size,
+        intermediate=c.intermediate_size,
+        num_heads=c.num_attention_heads,
+        num_kv_heads=c.num_key_value_heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
+        num_layers=c.num_hidden_layers,
+        num_features=len(draft.target_layer_ids),
+        selector_top_k=selector.top_k if selector is not None else 0,
+        selector_rank=selector.predecessor_codebook.shape[1] if selector is not None else 0,
+    )
+
+
+def draft_activation_bytes(s: StepShapes, act: int) -> dict[str, float]:
+    """Saved-for-backward bytes of one draft step (forward of every layer + the objective's rows).
+
+    `act` is the compute dtype's size in bytes. Every block's slots attend to the whole context
+    (masked), so the scores are [b, nh, N, B, S + B] per layer, kept as the fp32 softmax output plus a
+    compute-dtype copy.
+    """
+    rows = s.batch * s.num_anchors * s.block_size  # block rows, b * N * B
+    context_rows = s.batch * s.seq_len
+    heads_width = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+    score_bytes = FP32 + (act if act != FP32 else 0)
+    per_layer = {
+        "scores": rows * s.num_heads * (s.seq_len + s.block_size) * score_bytes
+        + rows * s.seq_len,  # the bool visibility mask
+        "hidden": rows * s.hidden * (LAYER_HIDDEN_ACT * act + LAYER_HIDDEN_FP32 * FP32)
+        + rows * heads_width * (LAYER_HEADS_ACT * act + LAYER_HEADS_FP32 * FP32)
+        + context_rows * s.num_kv_heads * s.head_dim * (LAYER_CONTEXT_ACT * act + LAYER_CONTEXT_FP32 * FP32),
+        "mlp": rows * s.intermediate * LAYER_MLP_ACT * act,
+    }
+    supervised = s.batch * s.num_anchors * (s.block_size - 1)
+    once = {
+        # fc output, hidden_norm (+ fp32 copy), RoPE tables; final norm of the block rows
+        "context": context_rows * s.hidden * (2 * act + FP32) + 2 * (context_rows + rows) * s.head_dim * act,
+        "final norm": rows * s.hidden * (2 * act + FP32),
+        # gathered slot rows, their fp32 gradient from the chunked CE, selector codebook rows
+        "objective": supervised * s.hidden * (act + FP32)
+        + supervised * s.selector_top_k * (s.selector_rank + s.selector_top_k) * 3 * act,
+    }
+    out = {name: value * s.num_layers for name, value in per_layer.items()}
+    out.update(once)
+    out["backward (one layer)"] = sum(per_layer.values())  # gradients of one layer's activations
+    return out
+
+
+def capture_items(target: nn.Module, s: StepShapes, target_bytes: int, act: int) -> list[Item]:
+    """No-grad target forward: every hidden state is returned (output_hidden_states), one layer's
+    intermediates live at a time, and the captured features [b, S, K*H] are kept for the draft."""
+    tokens = s.batch * s.seq_len
+    num_hidden_states = target.config.get_text_config().num_hidden_layers + 1
+    widest_layer = max(
+        sum(m.out_features for m in block.modules() if isinstance(m, nn.Linear))
+        for block in target.modules()
+        if type(block).__name__ in set(target._no_split_modules or ())
+    )
+    return [
+        Item("target hidden states", tokens * s.hidden * num_hidden_states * target_bytes,
+             f"{num_hidden_states} x [b, S, H] (output_hidden_states)"),
+        Item("target layer working set", tokens * (widest_layer + 2 * s.hidden) * target_bytes,
+             "one layer's projections, upper bound"),
+        Item("captured features", tokens * s.num_features * s.hidden * act, "[b, S, K*H]"),
+    ]  # fmt: skip
+
+
+def logits_item(cfg: RunConfig, vocab_size: int, supervised_rows: int) -> Item:
+    rows = min(cfg.objective.logits_chunk_rows, supervised_rows)
+    return Item("logits chunk", rows * vocab_size * FP32 * 3, f"{rows} rows x {vocab_size} x fp32 x 3")
+
+
+# ------------------------------------------------------------------ the plan
+
+
+def plan_run(cfg: RunConfig, *, world_size: int, target_config, device_gb: float = 80.0) -> Plan:
+    """Per-role memory of `cfg` on `world_size` ranks. Disaggregated runs have two roles."""
+    if world_size < 1:
+        raise ValueError(f"--world-size must be >= 1, got {world_size}")
+    num_capture = cfg.capture_ranks if cfg.topology == "disaggregated" else 0
+    if num_capture and world_size <= num_capture:
+        raise ValueError(
+            f"capture_ranks={num_capture} leaves no trainer rank on {world_size} ranks; raise --world-size"
+        )
+    draft, target = meta_models(cfg, target_config)
+    draft_counts, target_counts = count_params(draft), count_params(target)
+    shapes = step_shapes(cfg, draft)
+    act = DTYPE_BYTES[cfg.precision]
+    target_bytes = DTYPE_BYTES[cfg.model.target_dtype or cfg.precision]
+    offload = ds_offload(cfg)
+    num_trainers = world_size - num_capture
+    target_shards = num_capture or world_size
+    vocab = target.get_input_embeddings().weight.shape[0]
+
+    target_part = [
+        Item("target shards", target_counts.total * target_bytes / target_shards,
+             f"{target_counts.total / 1e9:.2f} B / {target_shards}", "cpu" if offload[0] else "gpu"),
+        Item("target gathered", *gathered_bytes(target_counts, cfg.backend, target_bytes, with_grads=False)),
+        *capture_items(target, shapes, target_bytes, act),
+    ]  # fmt: skip
+    head_numel = sum(
+        m.weight.numel() for m in (target.get_input_embeddings(), target.get_output_embeddings())
+    )
+    supervised = shapes.batch * shapes.num_anchors * (shapes.block_size - 1)
+    activations = draft_activation_bytes(shapes, act)
+    draft_part = [
+        *draft_state_items(draft_counts, cfg, num_trainers, offload),
+        Item("draft gathered", *gathered_bytes(draft_counts, cfg.backend, act, with_grads=True)),
+        Item("embedding + LM head copy", head_numel * act, f"2 x [{vocab}, {shapes.hidden}], full on every rank"),
+        *[Item(f"draft activations: {name}", value) for name, value in activations.items()],
+        logits_item(cfg, vocab, supervised),
+    ]  # fmt: skip
+    allowance = Item("runtime allowance", RUNTIME_ALLOWANCE_BYTES, "CUDA context, NCCL, fragmentation")
+    if num_capture:
+        features = [i for i in target_part if i.name == "captured features"]
+        roles = [
+            RolePlan("capture", num_capture, [*target_part, allowance]),
+            RolePlan("trainer", num_trainers, [*draft_part, *features, allowance]),
+        ]
+    else:
+        roles = [RolePlan("colocated", world_size, [*target_part, *draft_part, allowance])]
+
+    header = [
+        f"backend {cfg.backend}"
+        + (f" (offload param={offload[0]}, optimizer={offload[1]})" if cfg.backend == "deepspeed" else "")
+        + f", precision {cfg.precision}, target dtype {cfg.model.target_dtype or cfg.precision}",
+        f"topology {cfg.topology}: {world_size} ranks"
+        + (
+            f" = {num_capture} capture + {num_trainers} trainer"
+            if num_capture
+            else ", each runs target and draft"
+        ),
+        f"target {type(target).__name__}: {target_counts.total / 1e9:.3f} B parameters, sharded over {target_shards}",
+        f"draft {type(draft).__name__}: {draft_counts.total / 1e9:.3f} B parameters, sharded over {num_trainers}",
+        f"micro-batch {shapes.batch} x {shapes.seq_len} tokens, {shapes.num_anchors} anchors x block "
+        f"{shapes.block_size}, logits chunk {cfg.objective.logits_chunk_rows} rows",
+    ]
+    plan = Plan(header=header, roles=roles, device_bytes=device_gb * GIB)
+    for role in roles:
+        if role.total() > plan.device_bytes:
+            plan.warnings.append(
+                f"{role.role} ranks need {role.total() / GIB:.1f} GiB > {device_gb:g} GiB per device: "
+                "lower train.micro_batch_size, data.max_length or objective.num_anchors, add ranks, "
+                "or offload (ds_configs/zero3_offload.json)"
+            )
+    if cfg.backend == "deepspeed" and num_capture:
+        plan.warnings.append(
+            "the deepspeed backend shards over the whole world; disaggregated runs need backend=fsdp"
+        )
+    return plan
+
+
+def format_plan(plan: Plan) -> str:
+    lines = [*plan.header, ""]
+    for role in plan.roles:
+        title = f"per {role.role} rank ({role.num_ranks} rank{'s' if role.num_ranks > 1 else ''})"
+        lines.append(f"{title:<42} {'GiB':>8}")
+        for item in role.items:
+            where = " [cpu]" if item.where == "cpu" else ""
+            lines.append(f"  {item.name + where:<40} {item.num_bytes / GIB:8.2f}   {item.note}")
+        verdict = "fits" if role.total() <= plan.device_bytes else "DOES NOT FIT"
+        lines.append(
+            f"  {'total on the device':<40} {role.total() / GIB:8.2f}   of {plan.device_bytes / GIB:g} GiB: {verdict}"
+        )
+        if role.total("cpu"):
+            lines.append(f"  {'total offloaded to CPU':<40} {role.total('cpu') / GIB:8.2f}")
+        lines.append("")
+    lines += [f"WARNING: {w}" for w in plan.warnings]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m dflash2.plan",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("config", help="run config YAML")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    parser.add_argument("--world-size", type=int, default=8, help="total ranks (GPUs) of the run (default 8)")
+    parser.add_argument("--device-gb", type=float, default=80.0, help="memory per device in GiB (default 80)")
+    parser.add_argument(
+        "--target-config", default=None, help="target config.json or directory (default: model.target)"
+    )
+    args = parser.parse_intermixed_args(argv)  # overrides may follow the options
+    cfg = load_run_config(args.config, args.overrides)
+    target_config = load_target_config(args.target_config or cfg.model.target)
+    plan = plan_run(cfg, world_size=args.world_size, target_config=target_config, device_gb=args.device_gb)
+    print(format_plan(plan), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,178 @@
+"""Memory plan: parameter counts against real instantiations, shard arithmetic, the activation
+estimate against the tensors a real CPU step saves for backward, and the 27B recipes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import Qwen3Config, Qwen3ForCausalLM
+
+from dflash2.config import load_run_config
+from dflash2.data.tiny_default import TARGET_DIMS
+from dflash2.models import TargetHead, build_draft
+from dflash2.objective import ObjectiveConfig, compute_objective
+from dflash2.plan import (
+    DTYPE_BYTES,
+    GIB,
+    StepShapes,
+    count_params,
+    draft_activation_bytes,
+    load_target_config,
+    main,
+    meta_models,
+    plan_run,
+)
+
+TINY = "configs/tiny-dflash2.yaml"
+TINY_DRAFT = "configs/draft/tiny-dflash2.json"
+ZERO3_RECIPE = "configs/recipes/qwen3.6-27b-dflash2-8gpu-zero3.yaml"
+DISAGG_RECIPE = "configs/recipes/qwen3.6-27b-dflash2-2gpu-disaggregated.yaml"
+TARGET_27B = "configs/target/qwen3.6-27b.json"
+
+
+def numel(module: torch.nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
+def item(role, name: str) -> float:
+    return next(i.num_bytes for i in role.items if i.name == name)
+
+
+@pytest.fixture(scope="module")
+def tiny_target_config() -> Qwen3Config:
+    return Qwen3Config(**TARGET_DIMS)
+
+
+def test_meta_counts_equal_real_models(tiny_target_config):
+    cfg = load_run_config(TINY)
+    draft_meta, target_meta = meta_models(cfg, tiny_target_config)
+    torch.manual_seed(0)
+    draft, target = build_draft(TINY_DRAFT), Qwen3ForCausalLM(tiny_target_config)
+    draft_counts, target_counts = count_params(draft_meta), count_params(target_meta)
+    assert draft_counts.total == numel(draft) and target_counts.total == numel(target)
+    # sharding units: one per decoder layer (+ the DFlash 2 selector), the root holds the rest
+    expected_blocks = sorted([numel(layer) for layer in draft.layers] + [numel(draft.candidate_selector)])
+    assert sorted(draft_counts.blocks) == expected_blocks
+    assert draft_counts.root == numel(draft.fc) + numel(draft.hidden_norm) + numel(draft.norm)
+    assert target_counts.blocks == tuple(numel(layer) for layer in target.model.layers)
+    assert target_counts.largest_module == tiny_target_config.vocab_size * tiny_target_config.hidden_size
+
+
+@pytest.mark.parametrize("backend", ["deepspeed", "fsdp"])
+def test_colocated_shards_divide_over_world(tiny_target_config, backend):
+    cfg = load_run_config(TINY, [f"backend={backend}"])
+    (role,) = plan_run(cfg, world_size=4, target_config=tiny_target_config).roles
+    draft_total = numel(build_draft(TINY_DRAFT))
+    target_total = numel(Qwen3ForCausalLM(tiny_target_config))
+    assert role.role == "colocated" and role.num_ranks == 4
+    assert item(role, "target shards") == pytest.approx(target_total * 4 / 4)  # fp32 run
+    assert item(role, "draft parameters") == pytest.approx(draft_total * 4 / 4)
+    assert item(role, "draft optimizer state") == pytest.approx(draft_total * 8 / 4)  # exp_avg + exp_avg_sq
+    vocab, hidden = tiny_target_config.vocab_size, tiny_target_config.hidden_size
+    assert item(role, "embedding + LM head copy") == 2 * vocab * hidden * 4  # whole, on every rank
+
+
+def test_bf16_zero3_keeps_fp32_master_and_offload_moves_state_to_cpu(tiny_target_config):
+    cfg = load_run_config(TINY, ["precision=bf16", "ds_config=ds_configs/zero3_offload.json"])
+    (role,) = plan_run(cfg, world_size=2, target_config=tiny_target_config).roles
+    draft_total = numel(build_draft(TINY_DRAFT))
+    assert item(role, "draft parameters") == pytest.approx(draft_total * 2 / 2)  # bf16 partition
+    assert item(role, "draft optimizer state") == pytest.approx(draft_total * 12 / 2)  # master + 2 moments
+    offloaded = {i.name for i in role.items if i.where == "cpu"}
+    assert offloaded == {
+        "target shards",
+        "draft parameters",
+        "draft fp32 gradients (step)",
+        "draft optimizer state",
+    }
+
+
+def test_disaggregated_target_only_on_capture_ranks(tiny_target_config):
+    cfg = load_run_config(TINY, ["backend=fsdp", "topology=disaggregated", "capture_ranks=1"])
+    capture, trainer = plan_run(cfg, world_size=3, target_config=tiny_target_config).roles
+    assert (capture.role, capture.num_ranks, trainer.role, trainer.num_ranks) == ("capture", 1, "trainer", 2)
+    target_total = numel(Qwen3ForCausalLM(tiny_target_config))
+    assert item(capture, "target shards") == pytest.approx(target_total * 4)  # the whole target, fp32
+    assert item(trainer, "draft parameters") == pytest.approx(numel(build_draft(TINY_DRAFT)) * 4 / 2)
+    assert not any(i.name.startswith("target") for i in trainer.items)
+    assert not any(i.name.startswith("draft") for i in capture.items)
+    with pytest.raises(ValueError, match="no trainer rank"):
+        plan_run(cfg, world_size=1, target_config=tiny_target_config)
+
+
+def measured_saved_bytes(draft, head, batch, objective) -> int:
+    """Bytes of every distinct tensor storage autograd saves during a real objective forward
+    (parameters, head buffers and the input features excluded: they are not activations)."""
+    skip = {t.untyped_storage().data_ptr() for t in [*draft.parameters(), *head.buffers(), batch["features"]]}
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in skip:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        compute_objective(draft, head, batch, objective, torch.Generator().manual_seed(0))
+    return sum(saved.values())
+
+
+@pytest.mark.parametrize(
+    "precision,batch_size,num_anchors,seq_len,heads",
+    [("fp32", 1, 16, 256, (4, 2)), ("fp32", 2, 64, 512, (8, 2)), ("bf16", 1, 64, 1024, (4, 2))],
+)
+def test_activation_estimate_matches_a_real_step(precision, batch_size, num_anchors, seq_len, heads):
+    config = json.load(open(TINY_DRAFT))
+    config.update(num_attention_heads=heads[0], num_key_value_heads=heads[1])
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+    torch.manual_seed(0)
+    draft = build_draft(config).to(dtype)
+    hidden, vocab, block = config["hidden_size"], config["vocab_size"], config["dflash_config"]["block_size"]
+    num_features = len(config["dflash_config"]["target_layer_ids"])
+    head = TargetHead(torch.randn(vocab, hidden, dtype=dtype), 0.05 * torch.randn(vocab, hidden, dtype=dtype))
+    batch = {
+        "input_ids": torch.randint(4, vocab, (batch_size, seq_len)),
+        "loss_mask": torch.ones(batch_size, seq_len, dtype=torch.long),
+        "features": torch.randn(batch_size, seq_len, num_features * hidden, dtype=dtype),
+    }
+    objective = ObjectiveConfig(
+        block_size=block, mask_token_id=3, num_anchors=num_anchors, logits_chunk_rows=64
+    )
+    measured = measured_saved_bytes(draft, head, batch, objective)
+    shapes = StepShapes(
+        batch=batch_size, seq_len=seq_len, num_anchors=num_anchors, block_size=block, hidden=hidden,
+        intermediate=config["intermediate_size"], num_heads=heads[0], num_kv_heads=heads[1],
+        head_dim=config["head_dim"], num_layers=config["num_hidden_layers"], num_features=num_features,
+        selector_top_k=config["dflash_config"]["selector_top_k"],
+        selector_rank=config["dflash_config"]["selector_rank"],
+    )  # fmt: skip
+    estimate = draft_activation_bytes(shapes, DTYPE_BYTES[precision])
+    estimate.pop("backward (one layer)")  # transient gradients, not saved tensors
+    assert 0.95 * measured <= sum(estimate.values()) <= 1.3 * measured
+
+
+def test_27b_recipes_plan_on_meta():
+    target_config = load_target_config(TARGET_27B)
+    zero3 = plan_run(load_run_config(ZERO3_RECIPE), world_size=8, target_config=target_config)
+    disagg = plan_run(load_run_config(DISAGG_RECIPE), world_size=2, target_config=target_config)
+    assert any("1.924 B parameters" in line for line in zero3.header)  # the ~1.92 B draft
+    assert any("26.896 B parameters" in line for line in zero3.header)
+    (colocated,) = zero3.roles
+    capture, trainer = disagg.roles
+    for role in (colocated, capture, trainer):
+        assert role.total() < 80 * GIB, role.role
+    assert not zero3.warnings and not disagg.warnings
+    # the capture GPU holds the whole bf16 target: 26.9 B x 2 bytes
+    assert item(capture, "target shards") == pytest.approx(26_895_998_464 * 2)
+
+
+def test_cli_prints_plan_and_warns_on_small_devices(capsys):
+    args = [ZERO3_RECIPE, "--world-size", "8", "--target-config", TARGET_27B]
+    assert main([*args, "--device-gb", "80"]) == 0
+    out = capsys.readouterr().out
+    assert "per colocated rank (8 ranks)" in out and "fits" in out and "WARNING" not in out
+    main([*args, "--device-gb", "24", "train.micro_batch_size=2"])
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "WARNING: colocated ranks need" in out
