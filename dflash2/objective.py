@@ -49,16 +49,23 @@ def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
 
 
 def sample_anchors(
-    loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
+    loss_mask: torch.Tensor,
+    num_anchors: int,
+    generator: torch.Generator | list[torch.Generator] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Up to `num_anchors` anchors per sequence, uniformly without replacement, sorted.
 
-    Returns (anchor_positions [b, N] long, valid [b, N] bool); padding blocks have valid = False
-    and position 0.
+    `generator` may be one generator per row, so that a sample's anchors do not depend on which
+    rank or micro-batch it lands in. Returns (anchor_positions [b, N] long, valid [b, N] bool);
+    padding blocks have valid = False and position 0.
     """
     cand = anchor_candidates(loss_mask)
     num = min(num_anchors, loss_mask.shape[1])
-    noise = torch.rand(cand.shape, generator=generator, device="cpu").to(cand.device)
+    if isinstance(generator, list):
+        noise = torch.stack([torch.rand(cand.shape[1], generator=g) for g in generator])
+    else:
+        noise = torch.rand(cand.shape, generator=generator)
+    noise = noise.to(cand.device)
     keys = torch.where(cand, noise, torch.full_like(noise, -1.0))
     top, idx = torch.topk(keys, num, dim=1)
     valid = top >= 0
@@ -204,22 +211,25 @@ def selector_scores(
 # ------------------------------------------------------------------ the objective
 
 
-def compute_objective(
-    draft: nn.Module,
-    head: TargetHead,
-    batch: dict[str, torch.Tensor],
-    cfg: ObjectiveConfig,
-    generator: torch.Generator | None = None,
-    *,
-    naive: bool = False,
-) -> ObjectiveOutput:
-    """batch: input_ids [b, S], loss_mask [b, S], features [b, S, K*H] (target hidden states).
+@dataclass
+class Blocks:
+    """Where the blocks of a micro-batch sit and what they must predict (all [b, N] or [b, N, B-1])."""
 
-    `draft` may be a sharding wrapper; its `.config` (or `.module.config`) must be reachable.
-    """
-    model = getattr(draft, "module", draft)
-    input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
-    block_size = cfg.block_size
+    anchors: torch.Tensor
+    valid: torch.Tensor
+    labels: torch.Tensor
+    predecessors: torch.Tensor
+    weights: torch.Tensor
+
+
+def plan_blocks(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    cfg: ObjectiveConfig,
+    generator: torch.Generator | list[torch.Generator] | None = None,
+) -> Blocks:
+    """Sample anchors and derive labels and weights. Cheap (no model): the loop plans every
+    micro-batch of an optimizer step first, to know the global weight sum before any backward."""
     anchors, valid = sample_anchors(loss_mask, cfg.num_anchors, generator)
     if not bool(valid.any()):
         raise ValueError(
@@ -227,7 +237,37 @@ def compute_objective(
             "prepare the data with data_prep/prepare.py, which drops such samples"
         )
     labels, predecessors, weights = block_targets(
-        input_ids, loss_mask, anchors, valid, block_size, cfg.loss_gamma
+        input_ids, loss_mask, anchors, valid, cfg.block_size, cfg.loss_gamma
+    )
+    return Blocks(anchors, valid, labels, predecessors, weights)
+
+
+def compute_objective(
+    draft: nn.Module,
+    head: TargetHead,
+    batch: dict[str, torch.Tensor],
+    cfg: ObjectiveConfig,
+    generator: torch.Generator | None = None,
+    *,
+    blocks: Blocks | None = None,
+    naive: bool = False,
+) -> ObjectiveOutput:
+    """batch: input_ids [b, S], loss_mask [b, S], features [b, S, K*H] (target hidden states).
+
+    `draft` may be a sharding wrapper; its `.config` (or `.module.config`) must be reachable.
+    `blocks` (from plan_blocks) is sampled here with `generator` when not given.
+    """
+    model = getattr(draft, "module", draft)
+    input_ids = batch["input_ids"]
+    block_size = cfg.block_size
+    if blocks is None:
+        blocks = plan_blocks(input_ids, batch["loss_mask"], cfg, generator)
+    anchors, valid, labels, predecessors, weights = (
+        blocks.anchors,
+        blocks.valid,
+        blocks.labels,
+        blocks.predecessors,
+        blocks.weights,
     )
 
     block_ids = torch.full((*anchors.shape, block_size), cfg.mask_token_id, device=input_ids.device)

@@ -40,10 +40,8 @@ class OptimConfig:
             raise ValueError(f"optim.lr must be > 0, got {self.lr}")
         if self.total_steps < 1:
             raise ValueError(f"optim.total_steps must be >= 1, got {self.total_steps}")
-        if not 0 <= self.warmup_steps <= self.total_steps:
-            raise ValueError(
-                f"optim.warmup_steps must be in [0, total_steps={self.total_steps}], got {self.warmup_steps}"
-            )
+        if self.warmup_steps < 0:  # a warmup longer than the run is allowed: LR ramps throughout
+            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
         if self.schedule not in ("cosine", "constant"):
             raise ValueError(f"optim.schedule must be 'cosine' or 'constant', got {self.schedule!r}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
@@ -106,8 +104,10 @@ class Backend(ABC):
             raise ValueError(
                 f"micro_batch_size ({micro_batch_size}) and grad_accum_steps ({grad_accum_steps}) must be >= 1"
             )
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
+        # rank and size among the draft's data-parallel ranks (the whole world unless draft_group is set):
+        # what data sharding, checkpoint files and rank-0-only writes go by
+        self.rank = dist.get_rank(draft_group)
+        self.world_size = dist.get_world_size(draft_group)
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         self.device = torch.device(f"cuda:{self.local_rank}" if torch.cuda.is_available() else "cpu")
         self.is_main = self.rank == 0
@@ -158,7 +158,8 @@ class Backend(ABC):
         return out
 
     def barrier(self) -> None:
-        dist.barrier()
+        """Over the draft's data-parallel ranks (ranks outside it, e.g. capture ranks, do not join)."""
+        dist.barrier(group=self.draft_group)
 
     @abstractmethod
     def full_draft_state_dict(self) -> dict[str, torch.Tensor] | None:
@@ -177,3 +178,18 @@ class Backend(ABC):
             raise RuntimeError(
                 f"step() after {micro_steps} backward calls; expected grad_accum_steps={self.grad_accum_steps}"
             )
+
+
+def local_parameter_numel(module: nn.Module) -> tuple[int, int]:
+    """(elements this rank holds, elements of the full model): shows that a model is really sharded."""
+    from torch.distributed.tensor import DTensor
+
+    local = total = 0
+    for p in module.parameters():
+        if hasattr(p, "ds_tensor"):  # ZeRO-3 partitioned parameter
+            local, total = local + p.ds_tensor.numel(), total + p.ds_numel
+        elif isinstance(p, DTensor):  # FSDP2 shard
+            local, total = local + p.to_local().numel(), total + p.numel()
+        else:
+            local, total = local + p.numel(), total + p.numel()
+    return local, total

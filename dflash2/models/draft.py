@@ -164,6 +164,8 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 class DFlash2DraftModel(DFlashDraftModel):
     """DFlash 2: conv around every sublayer, unary logit transforms, and the candidate selector."""
 
+    # The objective calls the selector outside the draft's forward: it must be its own sharding unit.
+    _no_split_modules = ["DFlashDecoderLayer", "CandidateSelector"]
     uses_conv = True
 
     def __init__(self, config: Qwen3Config) -> None:

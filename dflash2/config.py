@@ -1,0 +1,130 @@
+"""Run configuration: a YAML file plus dotted `key=value` overrides, validated before any process
+group starts. Unknown keys are errors. The resolved config is saved in the run directory."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    draft_config: str  # draft config.json (HF form, see docs/contract.md)
+    target: str  # Hugging Face causal LM directory (safetensors + tokenizer)
+    target_dtype: Literal["fp32", "bf16"] | None = None  # default: the run precision
+
+
+class DataConfig(_Section):
+    train: str  # training_jsonl file, or a dataset directory written by data_prep/prepare.py
+    max_length: int = Field(2048, ge=8)
+    on_error: Literal["skip", "fail"] = "fail"
+    features_dir: str | None = None  # offline capture (data_prep/capture.py): train from saved features
+    chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+
+
+class ObjectiveSection(_Section):
+    num_anchors: int = Field(64, ge=1)
+    loss_gamma: float | None = Field(None, gt=0)
+    selector_loss_alpha: float = Field(1.0, ge=0)
+    selector_mode: Literal["insert", "strict"] = "insert"
+    logits_chunk_rows: int = Field(1024, ge=1)
+    coverage_top_k: int = Field(16, ge=1)
+
+
+class TrainConfig(_Section):
+    micro_batch_size: int = Field(1, ge=1)
+    grad_accum_steps: int = Field(1, ge=1)
+    max_steps: int = Field(1000, ge=1)  # optimizer steps; the LR schedule spans them
+    stop_at_step: int | None = Field(
+        None, ge=1
+    )  # end this launch early (with a checkpoint), e.g. a time-limited job
+    lr: float = Field(6e-4, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    warmup_steps: int = Field(0, ge=0)
+    schedule: Literal["cosine", "constant"] = "cosine"
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    max_grad_norm: float = Field(1.0, gt=0)
+    log_every: int = Field(10, ge=1)
+    save_every: int = Field(0, ge=0)  # 0: only the final checkpoint
+    keep_last: int = Field(3, ge=1)
+    resume: str = "auto"  # auto | none | <checkpoint dir>
+    export: bool = True  # write <output_dir>/export (HF, contract-exact) at the end
+    progress_bar: bool = True
+
+
+class RunConfig(_Section):
+    output_dir: str
+    backend: Literal["deepspeed", "fsdp"] = "deepspeed"
+    topology: Literal["colocated", "disaggregated"] = "colocated"
+    capture_ranks: int = Field(0, ge=0)
+    seed: int = 0
+    precision: Literal["fp32", "bf16"] = "fp32"
+    ds_config: str = "ds_configs/zero3.json"
+    model: ModelConfig
+    data: DataConfig
+    objective: ObjectiveSection = Field(default_factory=ObjectiveSection)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+
+    @model_validator(mode="after")
+    def _check_topology(self) -> RunConfig:
+        if self.topology == "disaggregated" and self.capture_ranks < 1:
+            raise ValueError("topology=disaggregated needs capture_ranks >= 1 (ranks that run the target)")
+        if self.topology == "colocated" and self.capture_ranks:
+            raise ValueError(
+                f"capture_ranks={self.capture_ranks} is only meaningful with topology=disaggregated"
+            )
+        return self
+
+
+_FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")
+
+
+def _parse_value(text: str) -> Any:
+    """`key=value` values are YAML scalars: 3 -> int, 1e-3 -> float, null, true, [1, 2]."""
+    if _FLOAT.match(text.strip()):  # YAML 1.1 reads 1e-3 (no dot) as a string
+        return float(text)
+    return yaml.safe_load(text)
+
+
+def apply_override(tree: dict, dotted: str) -> None:
+    if "=" not in dotted:
+        raise ValueError(f"override {dotted!r} must look like key=value (e.g. train.max_steps=10)")
+    key, text = dotted.split("=", 1)
+    node = tree
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ValueError(f"override {dotted!r}: {part!r} is not a section")
+    node[parts[-1]] = _parse_value(text)
+
+
+def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
+    """Read the YAML, apply overrides, validate. Every problem is reported with its dotted key."""
+    tree: dict = {}
+    if path is not None:
+        with open(path) as f:
+            tree = yaml.safe_load(f) or {}
+        if not isinstance(tree, dict):
+            raise ValueError(f"{path}: the run config must be a YAML mapping")
+    for item in overrides:
+        apply_override(tree, item)
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as err:
+        lines = [f"  {'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in err.errors()]
+        source = path or "overrides"
+        raise ValueError(f"invalid run config ({source}):\n" + "\n".join(lines)) from None
+
+
+def save_run_config(cfg: RunConfig, path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        yaml.safe_dump(cfg.model_dump(), f, sort_keys=False)

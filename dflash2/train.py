@@ -1,0 +1,339 @@
+"""Training: `build_*` functions, one `train_step`, and a short loop.
+
+Every rank runs the same calls in the same order; rank 0 only guards file writes and logs.
+Entry point: `launch/train.py --config <yaml> [key=value ...]`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from dflash2.capture import extract_features
+from dflash2.checkpoint import find_latest, load_checkpoint, save_checkpoint
+from dflash2.config import RunConfig, save_run_config
+from dflash2.data.loader import collate, epoch_order, rank_batches
+from dflash2.dist import Backend, OptimConfig, build_backend, init_distributed
+from dflash2.dist.base import local_parameter_numel
+from dflash2.identity import data_identity, target_identity, tokenizer_identity
+from dflash2.models import TargetHead, build_draft
+from dflash2.models.config import draft_value, load_config_dict
+from dflash2.objective import ObjectiveConfig, compute_objective, plan_blocks, summarize_metrics
+from dflash2.train_log import TrainLogger
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimizer steps done
+    epoch: int = 0
+    batch_in_epoch: int = 0  # next global micro-batch of the epoch
+
+
+@dataclass
+class Setup:
+    backend: Backend
+    target: nn.Module | None  # None when features come from disk
+    head: TargetHead
+    draft: nn.Module  # the sharded, callable draft
+    draft_config: dict
+    layer_ids: list[int]
+    dataset: object  # a datasets.Dataset with input_ids, loss_mask
+    pad_token_id: int
+    objective: ObjectiveConfig
+    contract: dict
+    tokenizer: object
+    features: object | None = None  # offline feature store, when data.features_dir is set
+
+
+# ------------------------------------------------------------------ build
+
+
+def build_dataset(cfg: RunConfig, tokenizer, is_main: bool):
+    """A prepared dataset directory is loaded as is; a training_jsonl file is prepared on the fly."""
+    from dflash2.data.prepare import load_prepared, prepare_dataset
+
+    source = Path(cfg.data.train)
+    if source.is_dir():
+        return load_prepared(source)
+    dataset, summary = prepare_dataset(
+        source,
+        tokenizer,
+        cfg.data.max_length,
+        on_error=cfg.data.on_error,
+        chat_template_kwargs=cfg.data.chat_template_kwargs,
+    )
+    if is_main:
+        print(f"[dflash2] data {source}: {summary}")
+    return dataset
+
+
+def build_objective_config(cfg: RunConfig, draft_config: dict) -> ObjectiveConfig:
+    o = cfg.objective
+    return ObjectiveConfig(
+        block_size=int(draft_value(draft_config, "block_size")),
+        mask_token_id=int(draft_value(draft_config, "mask_token_id")),
+        num_anchors=o.num_anchors,
+        loss_gamma=o.loss_gamma,
+        selector_loss_alpha=o.selector_loss_alpha,
+        selector_mode=o.selector_mode,
+        coverage_top_k=o.coverage_top_k,
+        logits_chunk_rows=o.logits_chunk_rows,
+    )
+
+
+def build_contract(cfg: RunConfig, draft_config: dict, world_size: int) -> dict:
+    """What a checkpoint is only valid for (training.md section 6); resume compares it field by field."""
+    value = lambda name: draft_value(draft_config, name)  # noqa: E731
+    return {
+        "architecture": (draft_config.get("architectures") or ["DFlashDraftModel"])[0],
+        "num_draft_layers": draft_config["num_hidden_layers"],
+        "hidden_size": draft_config["hidden_size"],
+        "target_layer_ids": list(value("target_layer_ids")),
+        "block_size": value("block_size"),
+        "mask_token_id": value("mask_token_id"),
+        "conv_kernel_size": value("conv_kernel_size"),
+        "conv_group_size": value("conv_group_size"),
+        "selector_rank": value("selector_rank"),
+        "selector_top_k": value("selector_top_k"),
+        "output_multiplier": value("output_multiplier"),
+        "final_logit_softcapping": value("final_logit_softcapping"),
+        "selector_loss_alpha": cfg.objective.selector_loss_alpha,
+        "selector_mode": cfg.objective.selector_mode,
+        "loss_gamma": cfg.objective.loss_gamma,
+        "num_anchors": cfg.objective.num_anchors,
+        "target": target_identity(cfg.model.target),
+        "tokenizer": tokenizer_identity(cfg.model.target),
+        "dataset": data_identity(cfg.data.train),
+        "micro_batch_size": cfg.train.micro_batch_size,
+        "grad_accum_steps": cfg.train.grad_accum_steps,
+        "data_parallel_size": world_size,
+        "seed": cfg.seed,
+    }
+
+
+def build_optim_config(cfg: RunConfig) -> OptimConfig:
+    t = cfg.train
+    return OptimConfig(
+        lr=t.lr,
+        total_steps=t.max_steps,
+        weight_decay=t.weight_decay,
+        warmup_steps=t.warmup_steps,
+        schedule=t.schedule,
+        min_lr_ratio=t.min_lr_ratio,
+        max_grad_norm=t.max_grad_norm,
+        grad_accum_steps=t.grad_accum_steps,
+    )
+
+
+def build_setup(cfg: RunConfig, backend: Backend) -> Setup:
+    from transformers import AutoConfig, AutoTokenizer
+
+    dtype = DTYPES[cfg.precision]
+    target_config = AutoConfig.from_pretrained(cfg.model.target)
+    draft_config = load_config_dict(cfg.model.draft_config)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.target)
+    # Validate the draft against the target (hidden/vocab sizes, layer ids) before loading anything big.
+    torch.manual_seed(cfg.seed)
+    draft = build_draft(draft_config, target_config=target_config)
+    target_dtype = DTYPES[cfg.model.target_dtype or cfg.precision]
+    target = backend.load_target(cfg.model.target, target_dtype)
+    local, total = local_parameter_numel(target)
+    print(f"[dflash2] rank {backend.rank}: holds {local}/{total} target parameters", flush=True)
+    head = backend.target_head(target, dtype)
+    features = None
+    if cfg.data.features_dir:
+        from dflash2.capture.offline import OfflineFeatures
+
+        features = OfflineFeatures(cfg.data.features_dir, expected_target=cfg.model.target)
+    dataset = build_dataset(cfg, tokenizer, backend.is_main)
+    normalized = draft.config.to_dict()
+    layer_ids = list(draft.target_layer_ids)
+    model = backend.setup_draft(draft, build_optim_config(cfg), cfg.precision)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    return Setup(
+        backend=backend,
+        target=target,
+        head=head,
+        draft=model,
+        draft_config=normalized,
+        layer_ids=layer_ids,
+        dataset=dataset,
+        pad_token_id=pad_id,
+        objective=build_objective_config(cfg, normalized),
+        contract=build_contract(cfg, normalized, backend.draft_world_size),
+        tokenizer=tokenizer,
+        features=features,
+    )
+
+
+# ------------------------------------------------------------------ data order
+
+
+def micro_batches(
+    num_samples: int, cfg: RunConfig, backend: Backend, state: TrainState
+) -> Iterator[tuple[int, int, list[int]]]:
+    """This rank's micro-batches in the deterministic order, from the saved data position on.
+    Yields (epoch, position after this batch, sample indices)."""
+    per_global = cfg.train.micro_batch_size * backend.draft_world_size
+    if num_samples < per_global:
+        raise ValueError(
+            f"the dataset has {num_samples} samples, fewer than one global micro-batch "
+            f"(micro_batch_size {cfg.train.micro_batch_size} x {backend.draft_world_size} ranks)"
+        )
+    epoch, start = state.epoch, state.batch_in_epoch
+    while True:
+        order = epoch_order(num_samples, cfg.seed, epoch)
+        batches = rank_batches(
+            order, cfg.train.micro_batch_size, backend.rank, backend.draft_world_size, start_batch=start
+        )
+        for position, indices in enumerate(batches, start=start + 1):
+            yield epoch, position, indices
+        epoch, start = epoch + 1, 0
+
+
+def anchor_generators(seed: int, epoch: int, indices: list[int]) -> list[torch.Generator]:
+    """One generator per sample, from (seed, epoch, sample index): a sample's anchors do not depend
+    on the number of ranks or on resuming, so runs of any layout see the same blocks."""
+    states = [np.random.SeedSequence([seed, epoch, i]).generate_state(1)[0] for i in indices]
+    return [torch.Generator().manual_seed(int(s)) for s in states]
+
+
+# ------------------------------------------------------------------ step
+
+
+def capture_features(setup: Setup, batch: dict, indices: list[int]) -> torch.Tensor:
+    if setup.features is not None:
+        return setup.features.batch(indices, batch["input_ids"].shape[1])
+    hidden = setup.backend.target_hidden_states(setup.target, batch["input_ids"], batch["attention_mask"])
+    return extract_features(hidden, setup.layer_ids)
+
+
+def train_step(setup: Setup, micro: list[list[int]], epochs: list[int], seed: int) -> tuple[dict, dict]:
+    """One optimizer step over `grad_accum_steps` micro-batches. Returns (metric sums reduced over
+    ranks, timings). The loss is normalised by the global weight sum of the whole step."""
+    backend, device = setup.backend, setup.backend.device
+    batches = [
+        {k: v.to(device) for k, v in collate([setup.dataset[i] for i in idx], setup.pad_token_id).items()}
+        for idx in micro
+    ]
+    plans = [
+        plan_blocks(b["input_ids"], b["loss_mask"], setup.objective, anchor_generators(seed, epoch, idx))
+        for b, epoch, idx in zip(batches, epochs, micro)
+    ]
+    global_weight = backend.all_reduce_sum(sum(p.weights.sum() for p in plans).to(device))
+    sums: dict[str, torch.Tensor] = {}
+    capture_s = 0.0
+    for batch, indices, plan in zip(batches, micro, plans):
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            batch["features"] = capture_features(setup, batch, indices).to(backend.compute_dtype)
+        capture_s += time.perf_counter() - t0
+        out = compute_objective(setup.draft, setup.head, batch, setup.objective, blocks=plan)
+        backend.backward(out.loss_sum / global_weight)
+        for k, v in out.metrics.items():
+            sums[k] = sums.get(k, 0) + v.detach().float()
+        sums["input_tokens"] = sums.get("input_tokens", 0) + batch["attention_mask"].sum().float()
+    stats = backend.step()
+    reduced = {k: backend.all_reduce_sum(v) for k, v in sums.items()}
+    return reduced, {"capture_s": capture_s, **stats}
+
+
+# ------------------------------------------------------------------ loop
+
+
+def resume_point(cfg: RunConfig, run_dir: Path) -> Path | None:
+    if cfg.train.resume == "none":
+        return None
+    if cfg.train.resume == "auto":
+        return find_latest(run_dir)
+    path = Path(cfg.train.resume)
+    if not path.is_dir():
+        raise ValueError(
+            f"train.resume={cfg.train.resume!r}: no such checkpoint directory (or use auto|none)"
+        )
+    return path
+
+
+def save(setup: Setup, cfg: RunConfig, run_dir: Path, state: TrainState) -> Path:
+    return save_checkpoint(
+        setup.backend,
+        run_dir,
+        state.step,
+        draft_config=setup.draft_config,
+        contract=setup.contract,
+        train_state=vars(state),
+        keep_last=cfg.train.keep_last,
+    )
+
+
+def fit(cfg: RunConfig, setup: Setup) -> dict[str, float]:
+    backend, run_dir = setup.backend, Path(cfg.output_dir)
+    state = TrainState()
+    ckpt = resume_point(cfg, run_dir)
+    if ckpt is not None:
+        state = TrainState(**load_checkpoint(backend, ckpt, contract=setup.contract))
+        if backend.is_main:
+            print(f"[dflash2] resumed from {ckpt} at step {state.step}")
+    logger = TrainLogger(run_dir, cfg, start_step=state.step, enabled=backend.is_main)
+    stream = micro_batches(len(setup.dataset), cfg, backend, state)
+    summary: dict[str, float] = {}
+    last_step = min(cfg.train.max_steps, cfg.train.stop_at_step or cfg.train.max_steps)
+    while state.step < last_step:
+        t0 = time.perf_counter()
+        micro, epochs = [], []
+        for _ in range(cfg.train.grad_accum_steps):
+            epoch, state.batch_in_epoch, indices = next(stream)
+            micro.append(indices)
+            epochs.append(epoch)
+        state.epoch = epoch
+        sums, timing = train_step(setup, micro, epochs, cfg.seed)
+        state.step += 1
+        summary = summarize_metrics(sums, cfg.objective.selector_loss_alpha)
+        logger.log(state.step, summary, sums, timing, time.perf_counter() - t0)
+        if cfg.train.save_every and state.step % cfg.train.save_every == 0 and state.step < last_step:
+            save(setup, cfg, run_dir, state)
+    if ckpt is None or state.step > int(ckpt.name.split("_")[-1]):
+        final = save(setup, cfg, run_dir, state)
+    else:
+        final = ckpt
+    if cfg.train.export and state.step == cfg.train.max_steps:
+        export_final(setup, run_dir / "export")
+    logger.close()
+    if backend.is_main:
+        print(f"[dflash2] done: step {state.step}, checkpoint {final}")
+    return summary
+
+
+def export_final(setup: Setup, out_dir: Path) -> None:
+    from dflash2.export import export_draft
+
+    state = setup.backend.full_draft_state_dict()  # collective
+    if setup.backend.is_main:
+        export_draft(state, out_dir, config=setup.draft_config, tokenizer=setup.tokenizer)
+        print(f"[dflash2] exported {out_dir}")
+    setup.backend.barrier()
+
+
+def run(cfg: RunConfig) -> dict[str, float]:
+    if cfg.topology == "disaggregated":
+        from dflash2.capture.disaggregated import run_disaggregated
+
+        return run_disaggregated(cfg)
+    init_distributed(cfg.backend)
+    backend = build_backend(
+        cfg.backend,
+        cfg.ds_config if cfg.backend == "deepspeed" else None,
+        cfg.train.micro_batch_size,
+        cfg.train.grad_accum_steps,
+    )
+    if backend.is_main:
+        save_run_config(cfg, Path(cfg.output_dir) / "config.yaml")
+    return fit(cfg, build_setup(cfg, backend))

@@ -1,0 +1,68 @@
+"""TensorBoard scalars, a one-line console log and a progress bar — rank 0 only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+class TrainLogger:
+    def __init__(self, run_dir: Path, cfg, start_step: int, enabled: bool) -> None:
+        self.enabled = enabled
+        self.log_every = cfg.train.log_every
+        self.max_steps = cfg.train.max_steps
+        self.writer = self.bar = None
+        if not enabled:
+            return
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tb_dir = run_dir / "tb"
+        self.jsonl = open(run_dir / "metrics.jsonl", "a")  # one line per step, for scripts and tests
+        self.writer = SummaryWriter(str(self.tb_dir), purge_step=start_step + 1 if start_step else None)
+        if cfg.train.progress_bar:
+            self.bar = tqdm(total=self.max_steps, initial=start_step, desc="train", dynamic_ncols=True)
+
+    def log(self, step: int, summary: dict[str, float], sums: dict, timing: dict, step_s: float) -> None:
+        if not self.enabled:
+            return
+        scalars = dict(summary)
+        scalars.update(
+            lr=timing["lr"],
+            grad_norm=timing["grad_norm"],
+            tokens_per_s=float(sums["input_tokens"]) / step_s,
+            anchors_per_s=summary["num_anchors"] / step_s,
+            capture_fraction=timing["capture_s"] / step_s,
+            step_time_s=step_s,
+        )
+        for name, value in scalars.items():
+            self.writer.add_scalar(f"train/{name}", value, step)
+        self.jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
+        self.jsonl.flush()
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{summary['loss']:.3f}", acc=f"{summary['accuracy']:.3f}")
+        if step % self.log_every == 0 or step == self.max_steps:
+            line = (
+                f"step {step}/{self.max_steps} | loss {summary['loss']:.4f} | acc {summary['accuracy']:.3f}"
+                f" | top-k cov {summary['topk_coverage']:.3f}"
+            )
+            if "selector_accuracy" in summary:
+                line += f" | sel acc {summary['selector_accuracy']:.3f}"
+                line += f" | est tau {summary['est_accept_len']:.2f}/{summary['est_accept_len_selector']:.2f}"
+            else:
+                line += f" | est tau {summary['est_accept_len']:.2f}"
+            line += (
+                f" | lr {timing['lr']:.2e} | {scalars['tokens_per_s']:.0f} tok/s"
+                f" | capture {100 * scalars['capture_fraction']:.0f}%"
+            )
+            (tqdm.write if self.bar is not None else print)(line)
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.jsonl.close()
+        if self.bar is not None:
+            self.bar.close()
