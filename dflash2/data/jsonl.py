@@ -1,0 +1,93 @@
+"""Reading and validating training_jsonl files.
+
+One conversation a line: `{"id": ..., "conversations": [{"role": ..., "content": ...}, ...]}`; the
+key `messages` is accepted in place of `conversations`. `id` is optional (default `line-<n>`) but
+must be unique. Each malformed line raises `SampleError` with a short `code` (for the summary
+counts) and a message saying what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+ROLES = ("system", "user", "assistant")
+
+
+class SampleError(ValueError):
+    """A sample that cannot be used; `code` groups the reasons in the summary."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class Sample:
+    line_number: int  # 1-based line in the source file
+    id: str
+    messages: list[dict[str, str]]
+
+
+def iter_lines(path: str | Path) -> Iterator[tuple[int, str]]:
+    """(1-based line number, text) for every non-blank line."""
+    with open(path, encoding="utf-8") as f:
+        for line_number, line in enumerate(f, start=1):
+            if line.strip():
+                yield line_number, line
+
+
+def parse_sample(line: str, line_number: int) -> Sample:
+    """Parse and validate one training_jsonl line; raises SampleError."""
+    try:
+        record = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise SampleError("invalid_json", f"invalid JSON ({e.msg} at column {e.colno})") from None
+    if not isinstance(record, dict):
+        raise SampleError("not_an_object", f"expected a JSON object, got {type(record).__name__}")
+    messages = _messages_of(record)
+    for turn_number, turn in enumerate(messages, start=1):
+        _check_turn(turn, turn_number)
+    if not any(turn["role"] == "assistant" for turn in messages):
+        raise SampleError("no_assistant_turn", "no assistant turn (nothing to train on)")
+    sample_id = record.get("id", f"line-{line_number}")
+    if not isinstance(sample_id, (str, int)) or isinstance(sample_id, bool):
+        raise SampleError("bad_id", f"'id' must be a string or an integer, got {type(sample_id).__name__}")
+    messages = [{"role": turn["role"], "content": turn["content"]} for turn in messages]
+    return Sample(line_number=line_number, id=str(sample_id), messages=messages)
+
+
+def _messages_of(record: dict) -> list:
+    keys = [key for key in ("conversations", "messages") if key in record]
+    if not keys:
+        raise SampleError("missing_conversations", "missing 'conversations' (or 'messages') list")
+    if len(keys) == 2:
+        raise SampleError("both_keys", "has both 'conversations' and 'messages'; keep only one")
+    messages = record[keys[0]]
+    if not isinstance(messages, list) or not messages:
+        raise SampleError("empty_conversations", f"'{keys[0]}' must be a non-empty list of turns")
+    return messages
+
+
+def _check_turn(turn: object, turn_number: int) -> None:
+    where = f"turn {turn_number}"
+    if not isinstance(turn, dict):
+        raise SampleError("bad_turn", f"{where} is not an object with 'role' and 'content'")
+    if "role" not in turn:
+        raise SampleError("missing_role", f"{where} has no 'role'")
+    if turn["role"] not in ROLES:
+        raise SampleError(
+            "unknown_role", f"{where} has unknown role {turn['role']!r} (expected one of {ROLES})"
+        )
+    if "content" not in turn:
+        raise SampleError("missing_content", f"{where} ({turn['role']}) has no 'content'")
+    content = turn["content"]
+    if not isinstance(content, str):
+        raise SampleError(
+            "non_string_content",
+            f"{where} ({turn['role']}) content must be a string, got {type(content).__name__}",
+        )
+    if not content.strip():
+        raise SampleError("empty_content", f"{where} ({turn['role']}) has empty content")

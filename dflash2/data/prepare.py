@@ -1,0 +1,133 @@
+"""training_jsonl -> tokenized dataset with loss masks (`input_ids`, `loss_mask`, `id`).
+
+Malformed lines are reported with their line number and reason and either skipped
+(`on_error="skip"`) or raised (`on_error="fail"`). Samples whose (truncated) loss mask has no two
+consecutive supervised tokens cannot form a single training block; they are dropped and counted.
+The summary counts kept and dropped samples and why.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import datasets
+
+from dflash2.data.jsonl import SampleError, iter_lines, parse_sample
+from dflash2.data.render import has_trainable_block, render_with_loss_mask
+
+logger = logging.getLogger(__name__)
+SUMMARY_FILE = "summary.json"
+MAX_REPORTED_ERRORS = 100
+
+
+def prepare_dataset(
+    jsonl_path: str | Path,
+    tokenizer: Any,
+    max_length: int,
+    on_error: str = "skip",
+    chat_template_kwargs: dict[str, Any] | None = None,
+    end_of_turn: str | None = None,
+) -> tuple[datasets.Dataset, dict[str, Any]]:
+    """Tokenize a training_jsonl file with the tokenizer's chat template.
+
+    Returns the dataset (columns `id` str, `input_ids` list[int], `loss_mask` list[int]) and a
+    summary dict. `end_of_turn` defaults to the tokenizer's eos token.
+    """
+    if on_error not in ("skip", "fail"):
+        raise ValueError(f"on_error must be 'skip' or 'fail', got {on_error!r}")
+    if max_length < 2:
+        raise ValueError(f"max_length must be at least 2 (one anchor and one label), got {max_length}")
+    rows: dict[str, list] = {"id": [], "input_ids": [], "loss_mask": []}
+    drops: Counter[str] = Counter()
+    errors: list[dict[str, Any]] = []
+    first_line_of_id: dict[str, int] = {}
+    num_lines = num_truncated = 0
+    for line_number, line in iter_lines(jsonl_path):
+        num_lines += 1
+        try:
+            sample = parse_sample(line, line_number)
+            if sample.id in first_line_of_id:
+                raise SampleError(
+                    "duplicate_id",
+                    f"duplicate id {sample.id!r} (first on line {first_line_of_id[sample.id]})",
+                )
+            first_line_of_id[sample.id] = line_number
+            input_ids, loss_mask = render_with_loss_mask(
+                sample.messages, tokenizer, chat_template_kwargs, end_of_turn
+            )
+        except SampleError as error:
+            if on_error == "fail":
+                raise ValueError(
+                    f"{jsonl_path}:{line_number}: {error} (use on_error='skip' to drop such lines)"
+                ) from None
+            logger.warning("%s:%d: %s (skipped)", jsonl_path, line_number, error)
+            drops[error.code] += 1
+            if len(errors) < MAX_REPORTED_ERRORS:
+                errors.append({"line": line_number, "code": error.code, "reason": str(error)})
+            continue
+        num_truncated += len(input_ids) > max_length
+        input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
+        if not has_trainable_block(loss_mask):
+            drops["no_trainable_block"] += 1
+            continue
+        rows["id"].append(sample.id)
+        rows["input_ids"].append(input_ids)
+        rows["loss_mask"].append(loss_mask)
+
+    summary = {
+        "source": str(jsonl_path),
+        "source_sha256": _sha256(jsonl_path),
+        "max_length": max_length,
+        "chat_template_kwargs": chat_template_kwargs or {},
+        "num_lines": num_lines,
+        "num_kept": len(rows["id"]),
+        "num_dropped": sum(drops.values()),
+        "dropped_by_reason": dict(sorted(drops.items())),
+        "num_truncated": num_truncated,
+        "num_tokens": sum(map(len, rows["input_ids"])),
+        "num_supervised_tokens": sum(map(sum, rows["loss_mask"])),
+        "errors": errors,
+    }
+    features = datasets.Features(
+        {
+            "id": datasets.Value("string"),
+            "input_ids": datasets.Sequence(datasets.Value("int32")),
+            "loss_mask": datasets.Sequence(datasets.Value("int8")),
+        }
+    )
+    return datasets.Dataset.from_dict(rows, features=features), summary
+
+
+def save_prepared(dataset: datasets.Dataset, summary: dict[str, Any], out_dir: str | Path) -> Path:
+    """`dataset.save_to_disk(out_dir)` plus `out_dir/summary.json`."""
+    out_dir = Path(out_dir)
+    dataset.save_to_disk(str(out_dir))
+    (out_dir / SUMMARY_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    return out_dir
+
+
+def load_prepared(path: str | Path) -> datasets.Dataset:
+    """Load a dataset written by `save_prepared` (or `prepare.py`)."""
+    path = Path(path)
+    if not (path / "dataset_info.json").is_file():
+        raise ValueError(
+            f"{path} is not a prepared dataset (no dataset_info.json); run data_prep/prepare.py first"
+        )
+    dataset = datasets.load_from_disk(str(path))
+    missing = {"id", "input_ids", "loss_mask"} - set(dataset.column_names)
+    if missing:
+        raise ValueError(f"{path} lacks columns {sorted(missing)}; re-run data_prep/prepare.py")
+    return dataset
+
+
+def _sha256(path: str | Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

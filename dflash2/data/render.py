@@ -1,0 +1,95 @@
+"""Render a conversation with the target's chat template and mark the assistant tokens.
+
+The loss mask is found from the rendered text itself, so it works for any chat template (no
+`{% generation %}` tags needed): each assistant reply is located in the rendered string, followed by
+its end-of-turn marker (the tokenizer's eos token unless told otherwise); the tokens overlapping
+those character spans get loss_mask 1, everything else (system, user, role headers, a thinking
+prefix added by the template, the newline after the end-of-turn marker) gets 0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dflash2.data.jsonl import SampleError
+
+
+def render_text(
+    messages: list[dict[str, str]],
+    tokenizer: Any,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    add_generation_prompt: bool = False,
+) -> str:
+    return tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
+    )
+
+
+def render_with_loss_mask(
+    messages: list[dict[str, str]],
+    tokenizer: Any,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    end_of_turn: str | None = None,
+) -> tuple[list[int], list[int]]:
+    """(input_ids, loss_mask) of the whole rendered conversation; raises SampleError when a reply
+    cannot be found verbatim (followed by its end-of-turn marker) in the rendered text."""
+    if not getattr(tokenizer, "is_fast", False):
+        raise ValueError(
+            "a fast (Rust-backed) tokenizer is required: load it with AutoTokenizer.from_pretrained"
+        )
+    end_of_turn = end_of_turn or tokenizer.eos_token
+    if not end_of_turn:
+        raise ValueError("the tokenizer has no eos_token; pass end_of_turn (e.g. '<|im_end|>')")
+    text = render_text(messages, tokenizer, chat_template_kwargs)
+    spans = _assistant_spans(text, messages, end_of_turn)
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    loss_mask = [int(_overlaps(token, spans)) for token in encoding["offset_mapping"]]
+    return list(encoding["input_ids"]), loss_mask
+
+
+def _assistant_spans(text: str, messages: list[dict[str, str]], end_of_turn: str) -> list[tuple[int, int]]:
+    """Character spans [start, end) of each assistant reply plus its end-of-turn marker.
+
+    Messages are searched in order from a moving cursor, so a reply is never matched inside an
+    earlier turn. A reply must be followed (after optional whitespace) by `end_of_turn`, which also
+    keeps short replies from matching inside a role header.
+    """
+    spans = []
+    cursor = 0
+    for turn_number, message in enumerate(messages, start=1):
+        content = message["content"].strip()
+        if message["role"] != "assistant":
+            found = text.find(content, cursor)
+            cursor = found + len(content) if found >= 0 else cursor  # templates may rewrite these; harmless
+            continue
+        span = _find_reply(text, content, cursor, end_of_turn)
+        if span is None:
+            raise SampleError(
+                "template_mismatch",
+                f"turn {turn_number} (assistant): reply followed by {end_of_turn!r} not found verbatim in the "
+                "text rendered by the chat template (the template rewrites it, or its end-of-turn marker differs)",
+            )
+        spans.append(span)
+        cursor = span[1]
+    return spans
+
+
+def _overlaps(token: tuple[int, int], spans: list[tuple[int, int]]) -> bool:
+    token_start, token_end = token
+    return any(token_start < span_end and token_end > span_start for span_start, span_end in spans)
+
+
+def _find_reply(text: str, content: str, cursor: int, end_of_turn: str) -> tuple[int, int] | None:
+    start = text.find(content, cursor)
+    while start >= 0:
+        after = start + len(content)
+        gap = len(text[after:]) - len(text[after:].lstrip())
+        if text.startswith(end_of_turn, after + gap):
+            return start, after + gap + len(end_of_turn)
+        start = text.find(content, start + 1)
+    return None
+
+
+def has_trainable_block(loss_mask: list[int]) -> bool:
+    """True when two consecutive tokens are supervised (an anchor with something after it)."""
+    return any(a and b for a, b in zip(loss_mask, loss_mask[1:]))

@@ -1,0 +1,200 @@
+"""prepare_dataset: loss masks against an independent token-level check, malformed lines, drops."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash2.data.prepare import load_prepared, prepare_dataset
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+USER = {"role": "user", "content": "Count from 3 to 9."}
+REPLY = {"role": "assistant", "content": "Counting from 3 to 9: 3, 4, 5, 6, 7, 8, 9. That makes 7 numbers."}
+VALID = {"id": "ok", "conversations": [USER, REPLY]}
+
+
+def _ids(tokenizer, messages, add_generation_prompt=False, **kwargs) -> list[int]:
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def expected_loss_mask(tokenizer, messages, **kwargs) -> list[int]:
+    """Each reply's tokens found by rendering the conversation with and without that reply.
+
+    The reply tokens are what rendering with it adds after the generation prompt, up to and
+    including the first eos (end-of-turn) token.
+    """
+    full = _ids(tokenizer, messages, **kwargs)
+    mask = [0] * len(full)
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = _ids(tokenizer, messages[:i], add_generation_prompt=True, **kwargs)
+        with_reply = _ids(tokenizer, messages[: i + 1], **kwargs)
+        assert with_reply[: len(prompt)] == prompt and full[: len(with_reply)] == with_reply
+        added = with_reply[len(prompt) :]
+        num_reply_tokens = added.index(tokenizer.eos_token_id) + 1
+        mask[len(prompt) : len(prompt) + num_reply_tokens] = [1] * num_reply_tokens
+    return mask
+
+
+def _write_jsonl(path: Path, lines: list) -> Path:
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+def test_loss_masks_match_independent_check(tiny_default, tiny_tokenizer):
+    lines = tiny_default.train_jsonl.read_text().splitlines()[:60]
+    dataset, summary = prepare_dataset(tiny_default.train_jsonl, tiny_tokenizer, max_length=4096)
+    assert summary["num_dropped"] == 0 and summary["num_kept"] == summary["num_lines"] == len(dataset)
+    num_multi_turn = 0
+    for line, row in zip(lines, dataset):
+        record = json.loads(line)
+        assert row["id"] == record["id"]
+        assert row["input_ids"] == _ids(tiny_tokenizer, record["conversations"])
+        assert row["loss_mask"] == expected_loss_mask(tiny_tokenizer, record["conversations"])
+        num_multi_turn += sum(m["role"] == "assistant" for m in record["conversations"]) > 1
+    assert num_multi_turn > 0  # the check covered later turns too
+
+
+THINKING_TEMPLATE = (
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'assistant' and loop.last %}"
+    "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' + m['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}"
+    "{%- if not enable_thinking %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}{%- endif %}"
+)
+
+
+def test_thinking_style_template_masks_only_the_reply(tiny_default, tiny_tokenizer, tmp_path):
+    """A template that adds an empty think block to the generation prompt (as Qwen3 does with
+    enable_thinking=False): the block belongs to the prompt, never to the supervised reply."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_default.target_dir)
+    tokenizer.chat_template = THINKING_TEMPLATE
+    system = {"role": "system", "content": "You are a helpful assistant."}
+    path = _write_jsonl(tmp_path / "think.jsonl", [VALID, {"id": "sys", "messages": [system, USER, REPLY]}])
+    kwargs = {"enable_thinking": False}
+    dataset, summary = prepare_dataset(path, tokenizer, max_length=512, chat_template_kwargs=kwargs)
+    assert summary["num_kept"] == 2
+    for row, messages in zip(dataset, ([USER, REPLY], [system, USER, REPLY])):
+        assert row["loss_mask"] == expected_loss_mask(tokenizer, messages, **kwargs)
+        supervised = [t for t, m in zip(row["input_ids"], row["loss_mask"]) if m]
+        assert tokenizer.decode(supervised) == REPLY["content"] + "<|im_end|>"
+
+
+MALFORMED = [
+    ("{not json", "invalid_json", "invalid JSON"),
+    ("[1, 2]", "not_an_object", "expected a JSON object"),
+    ({"id": "x"}, "missing_conversations", "missing 'conversations'"),
+    (
+        {"conversations": [USER, REPLY], "messages": [USER, REPLY]},
+        "both_keys",
+        "both 'conversations' and 'messages'",
+    ),
+    ({"conversations": []}, "empty_conversations", "non-empty list"),
+    ({"conversations": ["hello", REPLY]}, "bad_turn", "turn 1 is not an object"),
+    ({"conversations": [{"content": "hi"}, REPLY]}, "missing_role", "turn 1 has no 'role'"),
+    (
+        {"conversations": [{"role": "bot", "content": "hi"}, REPLY]},
+        "unknown_role",
+        "turn 1 has unknown role 'bot'",
+    ),
+    (
+        {"conversations": [USER, {"role": "assistant"}]},
+        "missing_content",
+        "turn 2 (assistant) has no 'content'",
+    ),
+    (
+        {"conversations": [USER, {"role": "assistant", "content": 7}]},
+        "non_string_content",
+        "must be a string, got int",
+    ),
+    (
+        {"conversations": [{"role": "user", "content": " \n"}, REPLY]},
+        "empty_content",
+        "turn 1 (user) has empty content",
+    ),
+    ({"conversations": [USER]}, "no_assistant_turn", "no assistant turn"),
+    ({"id": "ok", "conversations": [USER, REPLY]}, "duplicate_id", "duplicate id 'ok' (first on line 1)"),
+]
+
+
+@pytest.mark.parametrize("line,code,reason", MALFORMED, ids=[case[1] for case in MALFORMED])
+def test_malformed_line_fails_with_line_number_and_reason(tiny_tokenizer, tmp_path, line, code, reason):
+    path = _write_jsonl(tmp_path / "bad.jsonl", [VALID, line])
+    with pytest.raises(ValueError, match=f"bad.jsonl:2: .*{re.escape(reason)}"):
+        prepare_dataset(path, tiny_tokenizer, max_length=256, on_error="fail")
+
+
+def test_skip_reports_every_malformed_line_and_keeps_all_valid(tiny_tokenizer, tmp_path):
+    lines, expected_errors = [], {}
+    for i, (line, code, reason) in enumerate(MALFORMED):
+        lines.append({"id": f"valid-{i}", "messages": [USER, REPLY]})  # the `messages` key is accepted
+        lines.append(line)
+        expected_errors[len(lines)] = (code, reason)
+    lines[0]["id"] = "ok"  # so that the duplicate-id case has an earlier line to clash with
+    path = _write_jsonl(tmp_path / "mixed.jsonl", lines)
+    dataset, summary = prepare_dataset(path, tiny_tokenizer, max_length=256, on_error="skip")
+
+    assert dataset["id"] == ["ok"] + [f"valid-{i}" for i in range(1, len(MALFORMED))]
+    assert summary["num_lines"] == len(lines) and summary["num_kept"] == len(MALFORMED)
+    assert summary["num_dropped"] == len(MALFORMED)
+    assert summary["dropped_by_reason"] == {code: 1 for _, code, _ in MALFORMED}
+    reported = {error["line"]: (error["code"], error["reason"]) for error in summary["errors"]}
+    assert reported.keys() == expected_errors.keys()
+    for line_number, (code, reason) in expected_errors.items():
+        assert reported[line_number][0] == code and reason in reported[line_number][1]
+
+
+def test_truncation_and_untrainable_samples_are_counted(tiny_tokenizer, tmp_path):
+    full_mask = expected_loss_mask(tiny_tokenizer, [USER, REPLY])
+    first_reply_token = full_mask.index(1)
+    path = _write_jsonl(tmp_path / "short.jsonl", [VALID])
+
+    # One supervised token left after truncation: no anchor with a label after it.
+    dataset, summary = prepare_dataset(path, tiny_tokenizer, max_length=first_reply_token + 1)
+    assert len(dataset) == 0 and summary["dropped_by_reason"] == {"no_trainable_block": 1}
+    assert summary["num_truncated"] == 1
+
+    dataset, summary = prepare_dataset(path, tiny_tokenizer, max_length=first_reply_token + 2)
+    assert summary["num_kept"] == 1 and dataset[0]["loss_mask"] == full_mask[: first_reply_token + 2]
+
+
+def _run_prepare_cli(monkeypatch, arguments: list[str]) -> None:
+    spec = importlib.util.spec_from_file_location("prepare_cli", REPO_ROOT / "data_prep" / "prepare.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", ["prepare.py", *arguments])
+    module.main()
+
+
+def test_prepare_cli_writes_loadable_dataset_and_summary(tiny_default, tmp_path, monkeypatch):
+    path = _write_jsonl(tmp_path / "in.jsonl", [VALID, "{oops"])
+    out = tmp_path / "prepared"
+    arguments = ["--input", str(path), "--tokenizer", str(tiny_default.target_dir), "--out", str(out)]
+    arguments += ["--max-length", "128", "--chat-template-kwargs", '{"enable_thinking": false}']
+    _run_prepare_cli(monkeypatch, arguments)
+    dataset = load_prepared(out)
+    assert dataset["id"] == ["ok"] and sum(dataset[0]["loss_mask"]) > 2
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["num_kept"] == 1 and summary["dropped_by_reason"] == {"invalid_json": 1}
+    assert summary["chat_template_kwargs"] == {"enable_thinking": False}
+
+    with pytest.raises(ValueError, match="in.jsonl:2: invalid JSON"):
+        _run_prepare_cli(monkeypatch, arguments + ["--out", str(tmp_path / "again"), "--on-error", "fail"])
+
+
+def test_load_prepared_rejects_other_directories(tmp_path):
+    with pytest.raises(ValueError, match="not a prepared dataset"):
+        load_prepared(tmp_path)
