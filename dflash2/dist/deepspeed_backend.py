@@ -8,7 +8,6 @@ from typing import Any, Literal
 
 import deepspeed
 import torch
-import torch.distributed as dist
 from deepspeed.utils import safe_get_full_fp32_param
 from torch import nn
 from transformers import AutoModelForCausalLM
@@ -118,6 +117,7 @@ class DeepSpeedBackend(Backend):
         set_ds_value(config, "gradient_clipping", optim.max_grad_norm, source="optim.max_grad_norm")
         set_ds_value(config, "bf16.enabled", precision == "bf16", source=f"precision={precision!r}")
         config["zero_allow_untested_optimizer"] = True  # torch AdamW as the client optimizer
+        draft.float()  # fp32 master weights; DeepSpeed keeps a bf16 working copy when bf16 is enabled
         optimizer, scheduler = build_optimizer([p for p in draft.parameters() if p.requires_grad], optim)
         self.engine, *_ = deepspeed.initialize(
             model=draft, optimizer=optimizer, lr_scheduler=scheduler, config=config
@@ -185,7 +185,7 @@ class DeepSpeedBackend(Backend):
         state_io.save_state(state, ckpt_dir / f"rank{self.rank:05d}")
         if self.is_main:
             state_io.write_backend_meta(ckpt_dir, self.name, self.world_size)
-        dist.barrier()
+        self.barrier()
 
     def load_state(self, ckpt_dir: Path) -> None:
         engine = self._require_engine()
@@ -201,7 +201,7 @@ class DeepSpeedBackend(Backend):
         for key, value in state["engine"].items():
             setattr(engine, key, value)
         self._micro_steps = 0
-        dist.barrier()
+        self.barrier()
 
 
 def _unwrap(module: nn.Module) -> nn.Module:

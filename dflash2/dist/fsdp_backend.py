@@ -165,7 +165,7 @@ class FSDPBackend(Backend):
         state_io.save_state(state, ckpt_dir / f"rank{self.rank:05d}")
         if self.is_main:
             state_io.write_backend_meta(ckpt_dir, self.name, self.world_size)
-        dist.barrier()
+        self.barrier()
 
     def load_state(self, ckpt_dir: Path) -> None:
         draft = self._require_draft()
@@ -178,7 +178,7 @@ class FSDPBackend(Backend):
         self.optimizer.load_state_dict(self._as_dtensors(state["optimizer"]))
         self.scheduler.load_state_dict(state["lr_scheduler"])
         self._micro_steps = 0
-        dist.barrier()
+        self.barrier()
 
     def _as_dtensors(self, optimizer_state: dict) -> dict:
         """Wrap saved local shards of per-parameter optimizer state back into DTensors like their params."""

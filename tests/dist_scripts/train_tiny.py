@@ -89,7 +89,7 @@ def train(backend, args, out: Path) -> None:
         grad_accum_steps=2,
     )
     torch.manual_seed(0)  # the same initial draft on every rank
-    draft = backend.setup_draft(StandInDraft(), optim, "fp32")
+    draft = backend.setup_draft(StandInDraft(), optim, args.precision)
     initial = backend.full_draft_state_dict()
     torch.manual_seed(100 + backend.rank)
     random.seed(200 + backend.rank)
@@ -113,7 +113,9 @@ def train(backend, args, out: Path) -> None:
         weight_sum = backend.all_reduce_sum(sum(b[2].sum() for b in batches))
         for x, labels, weights in batches:
             loss = weighted_loss_sum(
-                draft(x.to(backend.device)), labels.to(backend.device), weights.to(backend.device)
+                draft(x.to(backend.device, backend.compute_dtype)),
+                labels.to(backend.device),
+                weights.to(backend.device),
             )
             backend.backward(loss / weight_sum)
         stats.append(backend.step())
@@ -154,6 +156,8 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--skip-target", action="store_true")
     parser.add_argument("--crash-in-final-save", action="store_true")
+    parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--local_rank", type=int, default=None)  # passed by the deepspeed launcher
     args = parser.parse_args()
 
     init_distributed(args.backend)
