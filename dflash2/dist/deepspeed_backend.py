@@ -79,7 +79,8 @@ class DeepSpeedBackend(Backend):
         if head is None:
             raise ValueError("the target has no output embeddings (LM head); pass a *ForCausalLM model")
         bias = getattr(head, "bias", None)
-        params = [p for p in (embed, head.weight, bias) if p is not None]
+        # a tied LM head is the embedding itself: gather each parameter once
+        params = list({id(p): p for p in (embed, head.weight, bias) if p is not None}.values())
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
             copies = [
                 None if p is None else p.detach().clone().to(self.device, dtype)
