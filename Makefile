@@ -15,6 +15,12 @@ install: .venv/.installed
 test: install
 	$(PY) -m pytest tests
 
+tiny: install
+	$(PY) data_prep/build_tiny_default.py --out artifacts/tiny
+
+demo: install
+	$(PY) launch/demo.py
+
 lint: install
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .

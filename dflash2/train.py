@@ -71,7 +71,12 @@ def build_dataset(cfg: RunConfig, tokenizer, is_main: bool):
         chat_template_kwargs=cfg.data.chat_template_kwargs,
     )
     if is_main:
-        print(f"[dflash2] data {source}: {summary}")
+        dropped = summary["num_dropped"]
+        reasons = ", ".join(f"{k}: {v}" for k, v in summary["dropped_by_reason"].items()) or "none"
+        print(
+            f"[dflash2] data {source}: kept {summary['num_kept']}, dropped {dropped} ({reasons}), "
+            f"{summary['num_tokens']} tokens, {summary['num_supervised_tokens']} supervised"
+        )
     return dataset
 
 
@@ -133,29 +138,42 @@ def build_optim_config(cfg: RunConfig) -> OptimConfig:
     )
 
 
-def build_setup(cfg: RunConfig, backend: Backend) -> Setup:
+def build_target(cfg: RunConfig, backend: Backend, load_full: bool) -> tuple[nn.Module | None, TargetHead]:
+    """The sharded frozen target and its head. When features come from elsewhere (disk, capture ranks)
+    only the embedding and LM head are read from the target's safetensors: the target is never loaded."""
+    dtype = DTYPES[cfg.precision]
+    target_dtype = DTYPES[cfg.model.target_dtype or cfg.precision]
+    if not load_full:
+        from dflash2.capture.head import load_target_head, target_num_parameters
+
+        total = target_num_parameters(cfg.model.target)
+        print(f"[dflash2] rank {backend.rank}: holds 0/{total} target parameters (head only)", flush=True)
+        return None, load_target_head(cfg.model.target, target_dtype, backend.device).to(dtype)
+    target = backend.load_target(cfg.model.target, target_dtype)
+    local, total = local_parameter_numel(target)
+    print(f"[dflash2] rank {backend.rank}: holds {local}/{total} target parameters", flush=True)
+    return target, backend.target_head(target, dtype)
+
+
+def build_setup(cfg: RunConfig, backend: Backend, features: object | None = None) -> Setup:
+    """`features`: a source with `.batch(indices, seq_len)` made elsewhere (the disaggregated trainers'
+    receiver); None: offline features when data.features_dir is set, else online capture."""
     from transformers import AutoConfig, AutoTokenizer
 
-    dtype = DTYPES[cfg.precision]
     target_config = AutoConfig.from_pretrained(cfg.model.target)
     draft_config = load_config_dict(cfg.model.draft_config)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.target)
     # Validate the draft against the target (hidden/vocab sizes, layer ids) before loading anything big.
     torch.manual_seed(cfg.seed)
     draft = build_draft(draft_config, target_config=target_config)
-    target_dtype = DTYPES[cfg.model.target_dtype or cfg.precision]
-    target = backend.load_target(cfg.model.target, target_dtype)
-    local, total = local_parameter_numel(target)
-    print(f"[dflash2] rank {backend.rank}: holds {local}/{total} target parameters", flush=True)
-    head = backend.target_head(target, dtype)
-    features = None
-    if cfg.data.features_dir:
-        from dflash2.capture.offline import OfflineFeatures
+    layer_ids = list(draft.target_layer_ids)
+    if features is None and cfg.data.features_dir:
+        from dflash2.capture.offline import OfflineFeatures, feature_identity
 
-        features = OfflineFeatures(cfg.data.features_dir, expected_target=cfg.model.target)
+        features = OfflineFeatures(cfg.data.features_dir, feature_identity(cfg, layer_ids))
+    target, head = build_target(cfg, backend, load_full=features is None)
     dataset = build_dataset(cfg, tokenizer, backend.is_main)
     normalized = draft.config.to_dict()
-    layer_ids = list(draft.target_layer_ids)
     model = backend.setup_draft(draft, build_optim_config(cfg), cfg.precision)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     return Setup(
@@ -178,22 +196,20 @@ def build_setup(cfg: RunConfig, backend: Backend) -> Setup:
 
 
 def micro_batches(
-    num_samples: int, cfg: RunConfig, backend: Backend, state: TrainState
+    num_samples: int, cfg: RunConfig, rank: int, num_ranks: int, state: TrainState
 ) -> Iterator[tuple[int, int, list[int]]]:
-    """This rank's micro-batches in the deterministic order, from the saved data position on.
-    Yields (epoch, position after this batch, sample indices)."""
-    per_global = cfg.train.micro_batch_size * backend.draft_world_size
+    """Data-parallel rank `rank`'s micro-batches in the deterministic order, from the saved data
+    position on. Yields (epoch, position after this batch, sample indices)."""
+    per_global = cfg.train.micro_batch_size * num_ranks
     if num_samples < per_global:
         raise ValueError(
             f"the dataset has {num_samples} samples, fewer than one global micro-batch "
-            f"(micro_batch_size {cfg.train.micro_batch_size} x {backend.draft_world_size} ranks)"
+            f"(micro_batch_size {cfg.train.micro_batch_size} x {num_ranks} ranks)"
         )
     epoch, start = state.epoch, state.batch_in_epoch
     while True:
         order = epoch_order(num_samples, cfg.seed, epoch)
-        batches = rank_batches(
-            order, cfg.train.micro_batch_size, backend.rank, backend.draft_world_size, start_batch=start
-        )
+        batches = rank_batches(order, cfg.train.micro_batch_size, rank, num_ranks, start_batch=start)
         for position, indices in enumerate(batches, start=start + 1):
             yield epoch, position, indices
         epoch, start = epoch + 1, 0
@@ -243,7 +259,8 @@ def train_step(setup: Setup, micro: list[list[int]], epochs: list[int], seed: in
         sums["input_tokens"] = sums.get("input_tokens", 0) + batch["attention_mask"].sum().float()
     stats = backend.step()
     reduced = {k: backend.all_reduce_sum(v) for k, v in sums.items()}
-    return reduced, {"capture_s": capture_s, **stats}
+    # feature_wait_s: time spent getting features (online capture, disk reads, or waiting for capture ranks)
+    return reduced, {"capture_s": capture_s, "feature_wait_s": capture_s, **stats}
 
 
 # ------------------------------------------------------------------ loop
@@ -283,7 +300,7 @@ def fit(cfg: RunConfig, setup: Setup) -> dict[str, float]:
         if backend.is_main:
             print(f"[dflash2] resumed from {ckpt} at step {state.step}")
     logger = TrainLogger(run_dir, cfg, start_step=state.step, enabled=backend.is_main)
-    stream = micro_batches(len(setup.dataset), cfg, backend, state)
+    stream = micro_batches(len(setup.dataset), cfg, backend.rank, backend.draft_world_size, state)
     summary: dict[str, float] = {}
     last_step = min(cfg.train.max_steps, cfg.train.stop_at_step or cfg.train.max_steps)
     while state.step < last_step:
@@ -297,6 +314,7 @@ def fit(cfg: RunConfig, setup: Setup) -> dict[str, float]:
         sums, timing = train_step(setup, micro, epochs, cfg.seed)
         state.step += 1
         summary = summarize_metrics(sums, cfg.objective.selector_loss_alpha)
+        summary["feature_wait_s"] = timing["feature_wait_s"]
         logger.log(state.step, summary, sums, timing, time.perf_counter() - t0)
         if cfg.train.save_every and state.step % cfg.train.save_every == 0 and state.step < last_step:
             save(setup, cfg, run_dir, state)
