@@ -1,0 +1,266 @@
+"""Regenerate assistant turns with the target's own greedy (temperature 0) replies.
+
+Each assistant turn is replaced, turn by turn, by what the target answers given the already
+regenerated history; system and user turns are kept. Two generators:
+- `LocalTargetGenerator`: a Hugging Face causal LM, batched, left-padded `generate`.
+- `ServerGenerator`: an OpenAI-compatible `/v1/chat/completions` server (SGLang, vLLM).
+
+`regenerate_file` appends one complete JSON line per finished conversation and flushes it, so a
+crash loses at most the conversations in flight; a rerun truncates a partial last line and skips
+ids already in the output.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from dflash2.data.jsonl import Sample, SampleError, iter_lines, parse_sample
+from dflash2.data.render import render_text
+
+logger = logging.getLogger(__name__)
+Messages = list[dict[str, str]]
+
+
+class ReplyGenerator(Protocol):
+    def generate(self, histories: Sequence[Messages]) -> list[str]:
+        """The next assistant reply (text, without the end-of-turn marker) for each history."""
+        ...
+
+
+class LocalTargetGenerator:
+    """Greedy replies from a local Hugging Face target, one left-padded batch per call."""
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        max_new_tokens: int,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.max_new_tokens = max_new_tokens
+        self.chat_template_kwargs = chat_template_kwargs or {}
+        self.stop_ids = _stop_ids(model, tokenizer)
+
+    @torch.no_grad()
+    def generate(self, histories: Sequence[Messages]) -> list[str]:
+        prompts = [
+            self.tokenizer(
+                render_text(history, self.tokenizer, self.chat_template_kwargs, add_generation_prompt=True),
+                add_special_tokens=False,
+            )["input_ids"]
+            for history in histories
+        ]
+        input_ids, attention_mask = _left_pad(prompts, self.tokenizer.pad_token_id)
+        device = next(self.model.parameters()).device
+        output = self.model.generate(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            do_sample=False,
+            max_new_tokens=self.max_new_tokens,
+            eos_token_id=sorted(self.stop_ids),
+            pad_token_id=self.tokenizer.pad_token_id,
+        )
+        return [self._reply_text(row) for row in output[:, input_ids.shape[1] :].tolist()]
+
+    def _reply_text(self, new_ids: list[int]) -> str:
+        """Decode up to (not including) the first stop token."""
+        end = next((i for i, token in enumerate(new_ids) if token in self.stop_ids), len(new_ids))
+        return self.tokenizer.decode(new_ids[:end], skip_special_tokens=False)
+
+
+def _stop_ids(model: Any, tokenizer: Any) -> set[int]:
+    """The tokenizer's eos plus every eos id in the model's generation config."""
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    configured = configured if isinstance(configured, list) else [configured]
+    stop_ids = {token for token in [tokenizer.eos_token_id, *configured] if token is not None}
+    if not stop_ids:
+        raise ValueError("neither the tokenizer nor the model's generation config defines an eos token")
+    if tokenizer.pad_token_id is None:
+        raise ValueError(
+            "the tokenizer has no pad_token; set one (e.g. its eos token) before batched generation"
+        )
+    return stop_ids
+
+
+def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    length = max(len(prompt) for prompt in prompts)
+    input_ids = torch.full((len(prompts), length), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), length), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, length - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
+        attention_mask[row, length - len(prompt) :] = 1
+    return input_ids, attention_mask
+
+
+class ServerGenerator:
+    """Greedy replies from an OpenAI-compatible chat-completions server, `concurrency` requests at a time.
+
+    `server_url` is the server root (`http://host:port`) or its `/v1` base. `chat_template_kwargs` is
+    sent as the request field of that name (SGLang and vLLM pass it to the chat template).
+    """
+
+    def __init__(
+        self,
+        server_url: str,
+        model: str,
+        max_new_tokens: int,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        concurrency: int = 8,
+        timeout_s: float = 600.0,
+    ):
+        base = server_url.rstrip("/")
+        self.url = (base if base.endswith("/v1") else base + "/v1") + "/chat/completions"
+        self.model = model
+        self.max_new_tokens = max_new_tokens
+        self.chat_template_kwargs = chat_template_kwargs
+        self.concurrency = concurrency
+        self.timeout_s = timeout_s
+
+    def generate(self, histories: Sequence[Messages]) -> list[str]:
+        with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
+            return list(pool.map(self._complete, histories))
+
+    def _complete(self, history: Messages) -> str:
+        body: dict[str, Any] = {
+            "model": self.model,
+            "messages": history,
+            "temperature": 0.0,
+            "max_tokens": self.max_new_tokens,
+        }
+        if self.chat_template_kwargs:
+            body["chat_template_kwargs"] = self.chat_template_kwargs
+        request = urllib.request.Request(
+            self.url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                answer = json.loads(response.read())
+        except urllib.error.HTTPError as error:
+            detail = error.read().decode(errors="replace")[:500]
+            raise RuntimeError(f"{self.url} answered HTTP {error.code}: {detail}") from None
+        except urllib.error.URLError as error:
+            raise ValueError(f"cannot reach {self.url} ({error.reason}); check --server-url") from None
+        message = answer["choices"][0]["message"]
+        if message.get("reasoning_content"):
+            raise ValueError(
+                "the server split the reply into reasoning_content and content; start it without a reasoning "
+                "parser so that the reply text (thinking included) comes back verbatim"
+            )
+        return message["content"] or ""
+
+
+def regenerate_conversations(conversations: Sequence[Messages], generator: ReplyGenerator) -> list[Messages]:
+    """Replace every assistant turn, turn by turn, conditioning each on the regenerated history.
+
+    Conversations advance in lockstep: one `generator.generate` call per assistant-turn index.
+    """
+    results: list[Messages] = [[] for _ in conversations]
+    positions = [0] * len(conversations)
+    while True:
+        waiting = []  # conversations whose next turn is an assistant turn
+        for i, conversation in enumerate(conversations):
+            while positions[i] < len(conversation) and conversation[positions[i]]["role"] != "assistant":
+                results[i].append(dict(conversation[positions[i]]))
+                positions[i] += 1
+            if positions[i] < len(conversation):
+                waiting.append(i)
+        if not waiting:
+            return results
+        replies = generator.generate([results[i] for i in waiting])
+        for i, reply in zip(waiting, replies, strict=True):
+            results[i].append({"role": "assistant", "content": reply})
+            positions[i] += 1
+
+
+def regenerate_file(
+    input_path: str | Path,
+    output_path: str | Path,
+    generator: ReplyGenerator,
+    batch_size: int = 8,
+    on_error: str = "skip",
+) -> dict[str, int]:
+    """Regenerate a training_jsonl file into `output_path`, resuming from what is already there.
+
+    Returns counts: `num_done_before` (skipped, already in the output), `num_written`,
+    `num_invalid` (malformed input lines), `num_empty_replies`.
+    """
+    if on_error not in ("skip", "fail"):
+        raise ValueError(f"on_error must be 'skip' or 'fail', got {on_error!r}")
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    done = finished_ids(output_path)
+    samples, num_invalid = _pending_samples(input_path, done, on_error)
+    counts = {
+        "num_done_before": len(done),
+        "num_written": 0,
+        "num_invalid": num_invalid,
+        "num_empty_replies": 0,
+    }
+    with open(output_path, "a", encoding="utf-8") as out:
+        for first in range(0, len(samples), batch_size):
+            batch = samples[first : first + batch_size]
+            for sample, conversation in zip(
+                batch, regenerate_conversations([s.messages for s in batch], generator)
+            ):
+                empty = sum(
+                    turn["role"] == "assistant" and not turn["content"].strip() for turn in conversation
+                )
+                counts["num_empty_replies"] += empty
+                out.write(
+                    json.dumps({"id": sample.id, "conversations": conversation}, ensure_ascii=False) + "\n"
+                )
+                out.flush()
+                counts["num_written"] += 1
+            os.fsync(out.fileno())
+            logger.info("regenerated %d / %d", first + len(batch), len(samples))
+    return counts
+
+
+def _pending_samples(input_path: str | Path, done: set[str], on_error: str) -> tuple[list[Sample], int]:
+    samples, num_invalid = [], 0
+    seen = set(done)  # a duplicate id in the input is regenerated once
+    for line_number, line in iter_lines(input_path):
+        try:
+            sample = parse_sample(line, line_number)
+        except SampleError as error:
+            if on_error == "fail":
+                raise ValueError(f"{input_path}:{line_number}: {error}") from None
+            logger.warning("%s:%d: %s (skipped)", input_path, line_number, error)
+            num_invalid += 1
+            continue
+        if sample.id not in seen:
+            samples.append(sample)
+            seen.add(sample.id)
+    return samples, num_invalid
+
+
+def finished_ids(output_path: str | Path) -> set[str]:
+    """Ids of the complete lines in `output_path`; a partial last line (a crash mid-write) is cut off."""
+    path = Path(output_path)
+    if not path.exists():
+        return set()
+    data = path.read_bytes()
+    complete = data[: data.rfind(b"\n") + 1]
+    if len(complete) != len(data):
+        logger.warning("%s: dropping a partial last line of %d bytes", path, len(data) - len(complete))
+        with open(path, "r+b") as f:
+            f.truncate(len(complete))
+    ids = set()
+    for line_number, line in enumerate(complete.decode("utf-8").splitlines(), start=1):
+        try:
+            ids.add(str(json.loads(line)["id"]))
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise ValueError(f"{path}:{line_number}: not a regenerated record; move the file away") from None
+    return ids

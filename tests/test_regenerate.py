@@ -1,0 +1,194 @@
+"""Regeneration: local target vs its own generate, an OpenAI-compatible server, crash and resume."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash2.data.regenerate import LocalTargetGenerator, regenerate_file
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _conversations(tiny_default, count: int) -> list[dict]:
+    rows = [json.loads(line) for line in tiny_default.heldout_jsonl.read_text().splitlines()]
+    multi_turn = [row for row in rows if sum(t["role"] == "assistant" for t in row["conversations"]) > 1]
+    return (multi_turn[:1] + [row for row in rows if row not in multi_turn])[:count]
+
+
+def test_local_regeneration_equals_target_greedy_generate(tiny_default, tiny_tokenizer, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_default.target_dir).eval()
+    rows = _conversations(tiny_default, 5)
+    assert sum(t["role"] == "assistant" for t in rows[0]["conversations"]) == 2
+    generator = LocalTargetGenerator(model, tiny_tokenizer, max_new_tokens=24)
+    output = tmp_path / "regen.jsonl"
+    regenerate_file(_write_jsonl(tmp_path / "in.jsonl", rows), output, generator, batch_size=3)
+
+    regenerated = _read_jsonl(output)
+    assert [row["id"] for row in regenerated] == [row["id"] for row in rows]
+    for original, new in zip(rows, regenerated):
+        assert [t["role"] for t in new["conversations"]] == [t["role"] for t in original["conversations"]]
+        history = []
+        for old_turn, new_turn in zip(original["conversations"], new["conversations"]):
+            if old_turn["role"] != "assistant":
+                assert new_turn == old_turn
+            else:  # the reference: one unpadded greedy generate on the regenerated history
+                assert new_turn["content"] == _greedy_reply(model, tiny_tokenizer, history, 24)
+            history.append(new_turn)
+
+
+def _greedy_reply(model, tokenizer, history, max_new_tokens) -> str:
+    prompt = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        output = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
+    new_ids = output[0, len(prompt_ids) :].tolist()
+    if tokenizer.eos_token_id in new_ids:
+        new_ids = new_ids[: new_ids.index(tokenizer.eos_token_id)]
+    return tokenizer.decode(new_ids)
+
+
+class _ChatServer(BaseHTTPRequestHandler):
+    """Plays an OpenAI-compatible server: the reply names the turn and echoes the last user message."""
+
+    requests: list[dict] = []
+
+    def do_POST(self):  # noqa: N802 (http.server's naming)
+        assert self.path == "/v1/chat/completions", self.path
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.requests.append(body)
+        turn = sum(m["role"] == "assistant" for m in body["messages"]) + 1
+        reply = f"Reply {turn} to: {body['messages'][-1]['content']}"
+        answer = {"choices": [{"index": 0, "message": {"role": "assistant", "content": reply}}]}
+        data = json.dumps(answer).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):  # keep test output quiet
+        pass
+
+
+@pytest.fixture()
+def chat_server():
+    _ChatServer.requests = []
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _ChatServer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", _ChatServer.requests
+    server.shutdown()
+    server.server_close()
+
+
+def _run_regenerate_cli(monkeypatch, arguments: list[str]) -> None:
+    spec = importlib.util.spec_from_file_location("regenerate_cli", REPO_ROOT / "data_prep" / "regenerate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", ["regenerate.py", *arguments])
+    module.main()
+
+
+def test_server_regeneration_writes_replies_turn_by_turn(chat_server, tmp_path, monkeypatch):
+    url, requests = chat_server
+    user = lambda text: {"role": "user", "content": text}  # noqa: E731
+    old = {"role": "assistant", "content": "an old reply"}
+    rows = [
+        {"id": "a", "conversations": [{"role": "system", "content": "Be brief."}, user("hi"), old]},
+        {"id": "b", "messages": [user("one"), old, user("two"), old]},
+    ]
+    output = tmp_path / "out.jsonl"
+    arguments = ["--input", str(_write_jsonl(tmp_path / "in.jsonl", rows)), "--out", str(output)]
+    arguments += ["--server-url", url, "--model", "tiny", "--max-new-tokens", "32", "--batch-size", "2"]
+    _run_regenerate_cli(monkeypatch, [*arguments, "--chat-template-kwargs", '{"enable_thinking": false}'])
+
+    assert _read_jsonl(output) == [
+        {"id": "a", "conversations": [rows[0]["conversations"][0], user("hi"), _assistant("Reply 1 to: hi")]},
+        {
+            "id": "b",
+            "conversations": [
+                user("one"),
+                _assistant("Reply 1 to: one"),
+                user("two"),
+                _assistant("Reply 2 to: two"),
+            ],
+        },
+    ]
+    assert len(requests) == 3
+    for request in requests:
+        assert request["model"] == "tiny" and request["temperature"] == 0 and request["max_tokens"] == 32
+        assert request["chat_template_kwargs"] == {"enable_thinking": False}
+    second_turn = next(r for r in requests if len(r["messages"]) == 3)
+    assert second_turn["messages"][1] == _assistant(
+        "Reply 1 to: one"
+    )  # conditioned on the regenerated history
+
+
+def _assistant(text: str) -> dict:
+    return {"role": "assistant", "content": text}
+
+
+class _FakeGenerator:
+    """Deterministic replies; raises after `fail_after` calls to simulate a crash."""
+
+    def __init__(self, fail_after: int | None = None):
+        self.fail_after = fail_after
+        self.num_calls = 0
+
+    def generate(self, histories):
+        self.num_calls += 1
+        if self.fail_after is not None and self.num_calls > self.fail_after:
+            raise RuntimeError("simulated crash")
+        return [f"reply to {history[-1]['content']}" for history in histories]
+
+
+def test_resume_after_crash_with_partial_line(tmp_path):
+    rows = [
+        {"id": f"s{i}", "conversations": [{"role": "user", "content": f"q{i}"}, _assistant("old")]}
+        for i in range(10)
+    ]
+    source = _write_jsonl(tmp_path / "in.jsonl", rows)
+    uninterrupted = tmp_path / "reference.jsonl"
+    regenerate_file(source, uninterrupted, _FakeGenerator(), batch_size=3)
+
+    output = tmp_path / "out.jsonl"
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        regenerate_file(source, output, _FakeGenerator(fail_after=2), batch_size=3)
+    assert len(_read_jsonl(output)) == 6  # two finished batches survived the crash
+    with open(output, "a") as f:
+        f.write('{"id": "s6", "conversations": [{"ro')  # a line cut by the crash
+
+    counts = regenerate_file(source, output, _FakeGenerator(), batch_size=3)
+    assert counts["num_done_before"] == 6 and counts["num_written"] == 4
+    assert output.read_text() == uninterrupted.read_text()  # no duplicate, nothing lost, same records
+
+    assert regenerate_file(source, output, _FakeGenerator(fail_after=0), batch_size=3)["num_written"] == 0
+
+
+def test_corrupt_complete_line_in_output_is_an_error(tmp_path):
+    source = _write_jsonl(
+        tmp_path / "in.jsonl", [{"id": "a", "messages": [{"role": "user", "content": "q"}, _assistant("r")]}]
+    )
+    output = tmp_path / "out.jsonl"
+    output.write_text("not json\n")
+    with pytest.raises(ValueError, match="out.jsonl:1: not a regenerated record"):
+        regenerate_file(source, output, _FakeGenerator())
