@@ -1,0 +1,98 @@
+"""The target's embedding and LM head read straight from its safetensors, without loading the target.
+
+Used wherever the draft trains without running the target itself: from offline features, and on
+the trainer ranks of the disaggregated topology.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from dflash2.models.target_head import TargetHead
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def checkpoint_files(target_dir: str | Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file that holds it (one file, or shards named by an index json)."""
+    target_dir = Path(target_dir)
+    index = target_dir / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: target_dir / file for name, file in weight_map.items()}
+    single = target_dir / SINGLE_FILE
+    if single.is_file():
+        with safe_open(str(single), framework="pt") as f:
+            return {name: single for name in f.keys()}
+    raise ValueError(
+        f"model.target={str(target_dir)!r} has neither {SINGLE_FILE} nor {INDEX_FILE}; "
+        "point it at a Hugging Face directory saved with safetensors"
+    )
+
+
+def target_num_parameters(target_dir: str | Path) -> int:
+    """Elements of all tensors in the target's checkpoint, read from the safetensors headers only."""
+    total = 0
+    files = checkpoint_files(target_dir)
+    for file in sorted(set(files.values())):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                total += torch.Size(f.get_slice(name).get_shape()).numel()
+    return total
+
+
+def _head_tensor_names(target_dir: str | Path) -> tuple[str, str, bool]:
+    """(embedding weight name, LM head module name, tied) from the target's class, built on meta."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(target_dir)
+    with torch.device("meta"):  # no memory: only the module names are wanted
+        model = AutoModelForCausalLM.from_config(config)
+    module_names = {id(module): name for name, module in model.named_modules()}
+    head = model.get_output_embeddings()
+    if head is None:
+        raise ValueError(f"{type(model).__name__} has no LM head; model.target must be a causal LM")
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    tied = bool(getattr(text_config, "tie_word_embeddings", False))
+    return f"{module_names[id(model.get_input_embeddings())]}.weight", module_names[id(head)], tied
+
+
+def _read(files: dict[str, Path], name: str) -> torch.Tensor:
+    with safe_open(str(files[name]), framework="pt") as f:
+        return f.get_tensor(name)
+
+
+def load_target_head(
+    target_dir: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu"
+) -> TargetHead:
+    """Read only the embedding [V, H] and the LM head [V, H] (+ bias) of a Hugging Face causal LM.
+
+    Tied embeddings (no LM head tensor in the checkpoint, `tie_word_embeddings`) reuse the embedding.
+    """
+    files = checkpoint_files(target_dir)
+    embed_name, head_name, tied = _head_tensor_names(target_dir)
+    if embed_name not in files:
+        raise ValueError(
+            f"{target_dir}: no tensor {embed_name!r} in the checkpoint (it holds e.g. {sorted(files)[:4]}); "
+            "the checkpoint's tensor names do not match its model class"
+        )
+    embed = _read(files, embed_name)
+    head_weight_name = f"{head_name}.weight"
+    if head_weight_name in files:
+        head = _read(files, head_weight_name)
+    elif tied:
+        head = embed
+    else:
+        raise ValueError(
+            f"{target_dir}: no LM head tensor {head_weight_name!r} and tie_word_embeddings is false; "
+            "the checkpoint is incomplete"
+        )
+    bias_name = f"{head_name}.bias"
+    bias = _read(files, bias_name) if bias_name in files else None
+    as_head = lambda t: None if t is None else t.to(device=device, dtype=dtype)  # noqa: E731
+    return TargetHead(as_head(embed), as_head(head), as_head(bias))

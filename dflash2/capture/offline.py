@@ -1,0 +1,258 @@
+"""Offline capture: run the frozen target once over the dataset and store every sample's features.
+
+Layout of a features directory:
+  shard-RRRRR-NNNNN.safetensors   features of the samples rank R captured, one tensor [S_i, K*H] per
+                                  sample, named by the sample's index in the dataset
+  manifest.json                   identities of the target config, tokenizer and data, the layer ids,
+                                  dtype, max_length, and the shard and length of every sample
+The manifest is written last, by rank 0, after every rank has closed its shards: a crash mid-capture
+leaves no manifest, and a directory without one is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from dflash2.capture.features import extract_features
+from dflash2.config import RunConfig
+from dflash2.data.loader import collate
+from dflash2.dist import Backend
+from dflash2.identity import data_identity, target_identity, tokenizer_identity
+
+MANIFEST = "manifest.json"
+FORMAT = "dflash2-features/1"
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+VALIDATED_FIELDS = ("target", "tokenizer", "data", "chat_template_kwargs", "max_length", "target_layer_ids")
+
+
+def feature_identity(cfg: RunConfig, layer_ids: list[int]) -> dict:
+    """What a features directory is only valid for; OfflineFeatures compares it field by field."""
+    return {
+        "target": target_identity(cfg.model.target),
+        "tokenizer": tokenizer_identity(cfg.model.target),
+        "data": data_identity(cfg.data.train),
+        "chat_template_kwargs": dict(cfg.data.chat_template_kwargs),
+        "max_length": cfg.data.max_length,
+        "target_layer_ids": [int(i) for i in layer_ids],
+    }
+
+
+def draft_layer_ids(cfg: RunConfig, target_config) -> list[int]:
+    """The draft's target_layer_ids (defaults filled in, checked against the target)."""
+    from dflash2.models.config import check_draft_config, draft_value, load_config_dict
+
+    draft_config = check_draft_config(load_config_dict(cfg.model.draft_config), target_config=target_config)
+    return [int(i) for i in draft_value(draft_config, "target_layer_ids")]
+
+
+# ------------------------------------------------------------------ writing
+
+
+class _ShardWriter:
+    """Buffers one rank's per-sample features and writes a safetensors shard every `shard_bytes`."""
+
+    def __init__(self, out_dir: Path, rank: int, shard_bytes: int) -> None:
+        self.out_dir, self.rank, self.shard_bytes = out_dir, rank, shard_bytes
+        self.buffer: dict[str, torch.Tensor] = {}
+        self.buffered_bytes = 0
+        self.sample_shard: dict[int, str] = {}  # sample index -> shard file name
+        self.num_shards = 0
+
+    def add(self, index: int, features: torch.Tensor) -> None:
+        self.buffer[str(index)] = features.contiguous()
+        self.buffered_bytes += features.numel() * features.element_size()
+        if self.buffered_bytes >= self.shard_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.buffer:
+            return
+        name = f"shard-{self.rank:05d}-{self.num_shards:05d}.safetensors"
+        save_file(self.buffer, str(self.out_dir / name))
+        self.sample_shard.update({int(index): name for index in self.buffer})
+        self.buffer, self.buffered_bytes, self.num_shards = {}, 0, self.num_shards + 1
+
+
+def _capture_rounds(num_samples: int, rank: int, world_size: int, batch_size: int) -> list[list[int]]:
+    """This rank's batches (samples rank, rank + world, ...), padded with empty batches so that every
+    rank runs the same number of target forwards: the sharded forward is collective."""
+    mine = list(range(rank, num_samples, world_size))
+    num_rounds = math.ceil(math.ceil(num_samples / world_size) / batch_size)
+    batches = [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
+    return batches + [[] for _ in range(num_rounds - len(batches))]
+
+
+@torch.no_grad()
+def capture_dataset(
+    backend: Backend,
+    target: torch.nn.Module,
+    dataset,
+    layer_ids: list[int],
+    out_dir: Path,
+    *,
+    pad_token_id: int,
+    batch_size: int,
+    shard_bytes: int,
+) -> dict[int, str]:
+    """Capture this rank's share of `dataset` into shards under `out_dir`; returns sample -> shard name.
+    Collective over the target's group: every rank calls it with the same dataset."""
+    writer = _ShardWriter(out_dir, backend.rank, shard_bytes)
+    rounds = _capture_rounds(len(dataset), backend.rank, backend.world_size, batch_size)
+    for indices in rounds:
+        # a rank with no samples left still joins the collective forward, on a one-token batch
+        samples = [dataset[i] for i in indices] or [{"input_ids": [pad_token_id], "loss_mask": [0]}]
+        batch = collate(samples, pad_token_id)
+        hidden = backend.target_hidden_states(target, batch["input_ids"], batch["attention_mask"])
+        features = extract_features(hidden, layer_ids).cpu()
+        for row, index in enumerate(indices):
+            writer.add(index, features[row, : len(dataset[index]["input_ids"])].clone())
+    writer.flush()
+    return writer.sample_shard
+
+
+def write_manifest(
+    out_dir: Path, identity: dict, sample_shard: dict[int, str], lengths: list[int], meta: dict
+) -> None:
+    """Atomically write the manifest (rank 0, after all shards exist)."""
+    num_samples = len(lengths)
+    missing = [i for i in range(num_samples) if i not in sample_shard]
+    assert not missing, f"no shard holds samples {missing[:10]}"
+    shards = sorted(set(sample_shard.values()))
+    shard_index = {name: i for i, name in enumerate(shards)}
+    manifest = {
+        "format": FORMAT,
+        **identity,
+        **meta,
+        "num_samples": num_samples,
+        "shards": shards,
+        "sample_shard": [shard_index[sample_shard[i]] for i in range(num_samples)],
+        "sample_length": lengths,
+    }
+    tmp = out_dir / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps(manifest) + "\n")
+    os.replace(tmp, out_dir / MANIFEST)
+
+
+def run_capture(cfg: RunConfig, out_dir: str | Path, *, batch_size: int, shard_bytes: int) -> Path:
+    """The whole offline capture on every rank of an initialised process group (data_prep/capture.py)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from dflash2.dist import build_backend
+    from dflash2.train import DTYPES, build_dataset
+
+    target_config = AutoConfig.from_pretrained(cfg.model.target)
+    layer_ids = draft_layer_ids(cfg, target_config)
+    backend = build_backend(
+        cfg.backend,
+        cfg.ds_config if cfg.backend == "deepspeed" else None,
+        cfg.train.micro_batch_size,
+        cfg.train.grad_accum_steps,
+    )
+    out_dir = Path(out_dir)
+    if backend.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / MANIFEST).unlink(missing_ok=True)  # the old one would describe shards about to change
+    backend.barrier()
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.target)
+    dataset = build_dataset(cfg, tokenizer, backend.is_main)
+    dtype = DTYPES[cfg.model.target_dtype or cfg.precision]
+    target = backend.load_target(cfg.model.target, dtype)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    sample_shard = capture_dataset(
+        backend,
+        target,
+        dataset,
+        layer_ids,
+        out_dir,
+        pad_token_id=pad_id,
+        batch_size=batch_size,
+        shard_bytes=shard_bytes,
+    )
+    gathered = [None] * backend.world_size
+    dist.all_gather_object(gathered, sample_shard, group=backend.target_group)
+    if backend.is_main:
+        merged = {index: name for part in gathered for index, name in part.items()}
+        lengths = [len(ids) for ids in dataset["input_ids"]]
+        hidden_size = target_config.get_text_config().hidden_size
+        meta = {"dtype": DTYPE_NAMES[dtype], "feature_dim": hidden_size * len(layer_ids)}
+        write_manifest(out_dir, feature_identity(cfg, layer_ids), merged, lengths, meta)
+        print(f"[dflash2] captured {len(lengths)} samples into {out_dir}", flush=True)
+    backend.barrier()
+    return out_dir
+
+
+# ------------------------------------------------------------------ reading
+
+
+def _mismatch_message(features_dir: Path, field: str, saved, current) -> str:
+    return (
+        f"{features_dir / MANIFEST}: {field} is {saved!r} in the features but {current!r} in this run; "
+        f"the features were captured for a different setup. Re-run data_prep/capture.py --config <this run's "
+        f"config> --out {features_dir} (or set data.features_dir to features captured for this run)"
+    )
+
+
+class OfflineFeatures:
+    """Features written by data_prep/capture.py, checked against the run that reads them.
+
+    `expected` is `feature_identity(cfg, layer_ids)` of the current run; any difference is a
+    ValueError naming the field, both values and the fix.
+    """
+
+    def __init__(self, features_dir: str | Path, expected: dict) -> None:
+        self.features_dir = Path(features_dir)
+        path = self.features_dir / MANIFEST
+        if not path.is_file():
+            raise ValueError(
+                f"data.features_dir={str(self.features_dir)!r} has no {MANIFEST} (missing, or the capture did not "
+                "finish); run data_prep/capture.py --config <run config> --out <features_dir> first"
+            )
+        self.manifest = json.loads(path.read_text())
+        if self.manifest.get("format") != FORMAT:
+            raise ValueError(
+                _mismatch_message(self.features_dir, "format", self.manifest.get("format"), FORMAT)
+            )
+        for field in VALIDATED_FIELDS:
+            if self.manifest.get(field) != expected[field]:
+                raise ValueError(
+                    _mismatch_message(self.features_dir, field, self.manifest.get(field), expected[field])
+                )
+        self.num_samples = int(self.manifest["num_samples"])
+        self.feature_dim = int(self.manifest["feature_dim"])
+        self._files: dict[int, object] = {}  # shard index -> open safetensors handle (memory-mapped)
+
+    def _shard(self, shard: int):
+        if shard not in self._files:
+            self._files[shard] = safe_open(
+                str(self.features_dir / self.manifest["shards"][shard]), framework="pt"
+            )
+        return self._files[shard]
+
+    def sample(self, index: int) -> torch.Tensor:
+        """Features of sample `index`: [S_i, K*H]."""
+        if not 0 <= index < self.num_samples:
+            raise ValueError(f"sample {index} is not in the features ({self.num_samples} samples captured)")
+        return self._shard(self.manifest["sample_shard"][index]).get_tensor(str(index))
+
+    def batch(self, indices: list[int], seq_len: int) -> torch.Tensor:
+        """[b, seq_len, K*H]: the samples' features, right-padded with zeros."""
+        out = torch.zeros(
+            len(indices), seq_len, self.feature_dim, dtype=getattr(torch, self.manifest["dtype"])
+        )
+        for row, index in enumerate(indices):
+            features = self.sample(index)
+            if features.shape[0] > seq_len:
+                raise ValueError(
+                    f"sample {index} has features for {features.shape[0]} positions but the batch has {seq_len}; "
+                    "the data changed since capture: re-run data_prep/capture.py"
+                )
+            out[row, : features.shape[0]] = features
+        return out
