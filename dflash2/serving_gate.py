@@ -1,0 +1,308 @@
+"""The serving gate: overfit a few samples, export, reload the export, decode — an end-to-end smoke
+test of the whole pipeline (data -> features -> objective -> training -> export -> serving loop).
+
+    python -m dflash2.serving_gate --config <run yaml> --data <training_jsonl> \
+        [--num-samples N] [--steps N] [--out result.json] [key=value ...]
+
+1. take the first N (1..10) conversations of the data and regenerate their assistant replies with
+   the target's own greedy decoding, so that the labels are exactly what the target generates;
+2. train on them with the real training code (`dflash2.train.run`) until they are memorised;
+3. load the draft back from `<gate dir>/export` (what a server would load) and decode the first
+   sample's prompt with speculative decoding (greedy).
+
+A draft that memorised its data proposes the target's reply block after block, so every verify
+step commits the whole block: the gate passes iff spec_accept_length >= block_size and
+target_prefix_match_tokens >= block_size. The decode covers the whole blocks that fit in the
+target's reply: positions after the end-of-turn token are never supervised, so a final partial
+block would say nothing about the pipeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from dflash2.config import load_run_config
+from dflash2.data.jsonl import iter_lines, parse_sample
+from dflash2.evaluate import encode_prompt, speculative_generate, stop_token_ids_of, target_generate
+
+GATE_DIR_NAME = "serving_gate"
+DATA_NAME = "gate_data.jsonl"
+RESULT_NAME = "serving_gate.json"
+MAX_SAMPLES = 10
+# Memorising a handful of samples: every anchor of every sample in each step, a high learning rate.
+DEFAULT_STEPS = 60
+GATE_OVERRIDES = (
+    "backend=fsdp",
+    "objective.num_anchors=256",
+    "objective.loss_gamma=null",
+    "train.lr=3e-3",
+    "train.warmup_steps=10",
+    "train.schedule=cosine",
+    "train.min_lr_ratio=0.1",
+    "train.grad_accum_steps=1",
+    "train.log_every=50",
+    "train.progress_bar=false",
+)
+
+
+def select_samples(data_jsonl: str | Path, num_samples: int) -> list[dict]:
+    """The first `num_samples` valid conversations (as {"id", "conversations"} records)."""
+    if not 1 <= num_samples <= MAX_SAMPLES:
+        raise ValueError(f"--num-samples must be between 1 and {MAX_SAMPLES}, got {num_samples}")
+    samples = []
+    for line_number, line in iter_lines(data_jsonl):
+        sample = parse_sample(line, line_number)  # SampleError (a ValueError) names the line and the problem
+        if sample.messages[0]["role"] == "assistant":
+            raise ValueError(
+                f"{data_jsonl}:{line_number}: starts with an assistant turn; the gate needs a prompt"
+            )
+        samples.append({"id": sample.id, "conversations": sample.messages})
+        if len(samples) == num_samples:
+            return samples
+    raise ValueError(
+        f"{data_jsonl}: has {len(samples)} conversations, fewer than --num-samples {num_samples}"
+    )
+
+
+def regenerate_samples(
+    samples: list[dict], target, tokenizer, max_new_tokens: int, template_kwargs
+) -> list[dict]:
+    """Replace every assistant turn by the target's own greedy reply."""
+    from dflash2.data.regenerate import LocalTargetGenerator, regenerate_conversations
+
+    generator = LocalTargetGenerator(target, tokenizer, max_new_tokens, template_kwargs)
+    conversations = regenerate_conversations([s["conversations"] for s in samples], generator)
+    return [{"id": s["id"], "conversations": c} for s, c in zip(samples, conversations, strict=True)]
+
+
+def prepare_gate_dir(gate_dir: Path) -> None:
+    """The gate owns `gate_dir`: a previous gate run there is removed, anything else is refused."""
+    if gate_dir.exists() and any(gate_dir.iterdir()):
+        if not (gate_dir / DATA_NAME).exists():
+            raise ValueError(
+                f"{gate_dir} exists and is not a serving-gate directory; choose another output_dir"
+            )
+        shutil.rmtree(gate_dir)
+    gate_dir.mkdir(parents=True, exist_ok=True)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def train_overrides(
+    gate_dir: Path, data_path: Path, steps: int, num_samples: int, user: Sequence[str]
+) -> list[str]:
+    """Gate defaults, then the user's overrides, then what the gate must control."""
+    forced = [
+        f"output_dir={gate_dir}",
+        f"data.train={data_path}",
+        f"train.max_steps={steps}",
+        f"train.micro_batch_size={num_samples}",
+        "train.save_every=0",
+        "train.resume=none",
+        "train.export=true",
+        "data.features_dir=null",
+        "topology=colocated",
+        "capture_ranks=0",
+    ]
+    return [*GATE_OVERRIDES, f"train.warmup_steps={min(10, steps)}", *user, *forced]
+
+
+def decode_check(
+    export_dir: Path, target, tokenizer, prompt_messages, max_new_tokens: int, template_kwargs
+) -> dict:
+    """Reload the export, decode the prompt with speculative decoding, compare with the target."""
+    from dflash2.models import TargetHead, load_draft
+
+    draft = load_draft(export_dir, dtype=torch.float32)
+    head = TargetHead.from_target(target, dtype=torch.float32)
+    block_size = draft.block_size
+    prompt = encode_prompt(prompt_messages, tokenizer, template_kwargs)
+    stop_ids = stop_token_ids_of(tokenizer)
+    reference = target_generate(target, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids)
+    # The prefill gives one token, each fully accepted verify step one block.
+    num_blocks = (len(reference) - 1) // block_size
+    result = {"block_size": block_size, "target_tokens": len(reference)}
+    if num_blocks == 0:
+        result["errors"] = [
+            f"the target's reply has {len(reference)} tokens, fewer than 1 + block_size ({1 + block_size}); "
+            "pick a sample with a longer reply"
+        ]
+        return result
+    spec = speculative_generate(
+        draft, target, head, prompt, max_new_tokens=1 + num_blocks * block_size, stop_token_ids=stop_ids
+    )
+    result.update(
+        spec_accept_length=spec.mean_acceptance_length,
+        acceptance_lengths=spec.acceptance_lengths,
+        target_prefix_match_tokens=common_prefix(spec.output_ids, reference),
+        generated_tokens=len(spec.output_ids),
+        clean_block_tokens=spec.clean_block_tokens,
+        errors=[],
+    )
+    return result
+
+
+def label_check(
+    sample: dict, prompt_ids: list[int], reference: list[int], tokenizer, template_kwargs
+) -> list[str]:
+    """Warn when the training labels of the first reply are not the target's own tokens (a reply text
+    that re-tokenizes differently); the gate can still pass, but such data trains the wrong thing."""
+    from dflash2.data.render import render_with_loss_mask
+
+    ids, _ = render_with_loss_mask(sample["conversations"], tokenizer, template_kwargs)
+    labels = ids[len(prompt_ids) : len(prompt_ids) + len(reference)]
+    if ids[: len(prompt_ids)] != prompt_ids or labels != reference:
+        return ["the rendered training sample does not contain the target's greedy tokens after the prompt"]
+    return []
+
+
+def run_gate(
+    config_path: str | Path,
+    data_jsonl: str | Path,
+    *,
+    num_samples: int = 1,
+    steps: int = DEFAULT_STEPS,
+    overrides: Sequence[str] = (),
+    out_json: str | Path | None = None,
+    max_new_tokens: int = 256,
+) -> dict:
+    """Overfit -> export -> reload -> decode. Returns the result dict (also written as JSON).
+
+    The gate directory is `<output_dir>/serving_gate` (output_dir from the config and overrides);
+    the result goes to `out_json`, default `<gate dir>/serving_gate.json`.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dflash2.train import run
+
+    if steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {steps}")
+    base = load_run_config(config_path, list(overrides))
+    gate_dir = Path(base.output_dir) / GATE_DIR_NAME
+    result_path = Path(out_json) if out_json is not None else gate_dir / RESULT_NAME
+    template_kwargs = base.data.chat_template_kwargs
+    samples = select_samples(data_jsonl, num_samples)
+    prepare_gate_dir(gate_dir)
+    result: dict = {
+        "passed": False,
+        "input_format": "training_jsonl",
+        "spec_accept_length": 0.0,
+        "target_prefix_match_tokens": 0,
+        "generated_tokens": 0,
+        "target_tokens": 0,
+        "clean_block_tokens": 0,
+        "errors": [],
+        "result_path": str(result_path),
+        "num_samples": num_samples,
+        "steps": steps,
+        "timings_s": {},
+    }
+    try:
+        clock = time.perf_counter()
+        tokenizer = AutoTokenizer.from_pretrained(base.model.target)
+        target = AutoModelForCausalLM.from_pretrained(base.model.target, dtype=torch.float32).eval()
+        samples = regenerate_samples(samples, target, tokenizer, max_new_tokens, template_kwargs)
+        data_path = gate_dir / DATA_NAME
+        data_path.write_text("".join(json.dumps(s, ensure_ascii=False) + "\n" for s in samples))
+        result["timings_s"]["regenerate"] = round(time.perf_counter() - clock, 2)
+
+        clock = time.perf_counter()
+        cfg = load_run_config(
+            config_path, train_overrides(gate_dir, data_path, steps, num_samples, overrides)
+        )
+        summary = run(cfg)
+        result["train_final_metrics"] = {k: float(v) for k, v in (summary or {}).items()}
+        result["timings_s"]["train"] = round(time.perf_counter() - clock, 2)
+
+        clock = time.perf_counter()
+        first = samples[0]["conversations"]
+        prompt_messages = first[: next(i for i, m in enumerate(first) if m["role"] == "assistant")]
+        decoded = decode_check(
+            gate_dir / "export", target, tokenizer, prompt_messages, max_new_tokens, template_kwargs
+        )
+        result["timings_s"]["decode"] = round(time.perf_counter() - clock, 2)
+        result["errors"] += decoded.pop("errors")
+        result.update(decoded)
+        prompt_ids = encode_prompt(prompt_messages, tokenizer, template_kwargs)
+        reference = target_generate(
+            target, prompt_ids, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids_of(tokenizer)
+        )
+        result["warnings"] = label_check(samples[0], prompt_ids, reference, tokenizer, template_kwargs)
+    except Exception as error:  # recorded in the result (a gate must always report), then re-raised
+        result["errors"].append(f"{type(error).__name__}: {error}")
+        write_result(result, result_path)
+        raise
+    block_size = result.get("block_size", 0)
+    if "spec_accept_length" in decoded and result["spec_accept_length"] < block_size:
+        result["errors"].append(
+            f"spec_accept_length {result['spec_accept_length']:.3f} < block_size {block_size}"
+        )
+    if "spec_accept_length" in decoded and result["target_prefix_match_tokens"] < block_size:
+        result["errors"].append(
+            f"target_prefix_match_tokens {result['target_prefix_match_tokens']} < block_size {block_size}"
+        )
+    result["passed"] = (
+        "spec_accept_length" in decoded
+        and result["spec_accept_length"] >= block_size
+        and result["target_prefix_match_tokens"] >= block_size
+    )
+    write_result(result, result_path)
+    return result
+
+
+def write_result(result: dict, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--config", required=True, help="run config YAML (target, draft config, precision)")
+    parser.add_argument(
+        "--data", required=True, help="training_jsonl; the first --num-samples conversations are used"
+    )
+    parser.add_argument("--num-samples", type=int, default=1, help=f"1..{MAX_SAMPLES}")
+    parser.add_argument("--steps", type=int, default=DEFAULT_STEPS, help="optimizer steps of the overfit")
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=256, help="length limit of the regenerated replies"
+    )
+    parser.add_argument("--out", help=f"result JSON (default <output_dir>/{GATE_DIR_NAME}/{RESULT_NAME})")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value run-config overrides")
+    args = parser.parse_args(argv)
+    result = run_gate(
+        args.config,
+        args.data,
+        num_samples=args.num_samples,
+        steps=args.steps,
+        overrides=args.overrides,
+        out_json=args.out,
+        max_new_tokens=args.max_new_tokens,
+    )
+    verdict = "PASSED" if result["passed"] else "FAILED"
+    print(
+        f"serving gate {verdict}: tau {result['spec_accept_length']:.2f} / {result.get('block_size')}, "
+        f"target prefix match {result['target_prefix_match_tokens']} of {result['generated_tokens']} generated "
+        f"({result['target_tokens']} in the target's reply); result {result['result_path']}"
+    )
+    for error in result["errors"]:
+        print(f"  error: {error}")
+    return 0 if result["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""The serving gate on the tiny default: overfit -> export -> reload -> decode, through the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash2.serving_gate import select_samples
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+REQUIRED_KEYS = {
+    "passed",
+    "input_format",
+    "spec_accept_length",
+    "target_prefix_match_tokens",
+    "generated_tokens",
+    "target_tokens",
+    "clean_block_tokens",
+    "errors",
+    "result_path",
+}
+
+
+def run_gate_cli(tiny_default, tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path / "result.json"
+    command = [
+        sys.executable,
+        "-m",
+        "dflash2.serving_gate",
+        "--config",
+        str(REPO_ROOT / "configs" / "tiny-dflash2.yaml"),
+        "--data",
+        str(tiny_default.train_jsonl),
+        "--out",
+        str(out),
+        *args,
+        f"output_dir={tmp_path / 'run'}",
+        f"model.target={tiny_default.target_dir}",
+        f"model.draft_config={REPO_ROOT / 'configs' / 'draft' / 'tiny-dflash2.json'}",
+    ]
+    # One thread: these models are tiny, and the run must not crawl next to other jobs.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert out.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc, json.loads(out.read_text())
+
+
+def target_greedy_reply(tiny_default, messages) -> list[int]:
+    """Reference: Hugging Face generate on the first sample's prompt."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_default.target_dir)
+    target = AutoModelForCausalLM.from_pretrained(tiny_default.target_dir, dtype=torch.float32).eval()
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    out = target.generate(
+        ids, do_sample=False, max_new_tokens=256, eos_token_id=[im_end], pad_token_id=tokenizer.pad_token_id
+    )
+    return out[0, ids.shape[1] :].tolist()
+
+
+def test_gate_passes_on_tiny_default(tiny_default, tmp_path):
+    proc, result = run_gate_cli(tiny_default, tmp_path, "--num-samples", "3")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert REQUIRED_KEYS <= set(result)
+    assert result["passed"] is True and result["errors"] == []
+    assert result["input_format"] == "training_jsonl"
+    assert result["result_path"] == str(tmp_path / "result.json")
+    block = 8
+    assert result["spec_accept_length"] == block
+    # The decode covers whole blocks of the target's reply, and every token is the target's own.
+    reference = target_greedy_reply(
+        tiny_default, select_samples(tiny_default.train_jsonl, 1)[0]["conversations"][:1]
+    )
+    assert result["target_tokens"] == len(reference)
+    assert result["generated_tokens"] == 1 + block * ((len(reference) - 1) // block) >= 1 + block
+    assert result["target_prefix_match_tokens"] == result["generated_tokens"]
+    assert result["clean_block_tokens"] == result["generated_tokens"] - 1
+    assert (tmp_path / "run" / "serving_gate" / "export" / "model.safetensors").is_file()
+
+
+def test_gate_fails_when_nothing_is_learned(tiny_default, tmp_path):
+    proc, result = run_gate_cli(tiny_default, tmp_path, "--steps", "1", "train.lr=1e-6")
+    assert proc.returncode == 1
+    assert result["passed"] is False
+    assert result["spec_accept_length"] < 8
+    assert any("spec_accept_length" in error for error in result["errors"])
+
+
+@pytest.mark.parametrize("num_samples", [0, 11])
+def test_gate_refuses_bad_sample_counts(tiny_default, num_samples):
+    with pytest.raises(ValueError, match="--num-samples must be between 1 and 10"):
+        select_samples(tiny_default.train_jsonl, num_samples)
