@@ -163,9 +163,10 @@ def build_setup(cfg: RunConfig, backend: Backend, features: object | None = None
     target_config = AutoConfig.from_pretrained(cfg.model.target)
     draft_config = load_config_dict(cfg.model.draft_config)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.target)
-    # Validate the draft against the target (hidden/vocab sizes, layer ids) before loading anything big.
+    # Validate the draft against the target (hidden/vocab sizes, layer ids, mask token) before
+    # loading anything big.
     torch.manual_seed(cfg.seed)
-    draft = build_draft(draft_config, target_config=target_config)
+    draft = build_draft(draft_config, target_config=target_config, tokenizer=tokenizer)
     layer_ids = list(draft.target_layer_ids)
     if features is None and cfg.data.features_dir:
         from dflash2.capture.offline import OfflineFeatures, feature_identity

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             "data_prep/regenerate.py",
             "--input",
             str(subset),
-            "--output",
+            "--out",
             str(regen),
             "--target",
             str(tiny.target_dir),
