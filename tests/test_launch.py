@@ -1,0 +1,337 @@
+"""Launch scripts: syntax, the SLURM environment derivation against recorded SLURM environments,
+the sbatch requeue path (SIGUSR1 -> scontrol requeue), and a two-node run simulated on this
+machine with two torchrun agents meeting over the c10d rendezvous."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+SCRIPTS = sorted(
+    [*REPO.glob("launch/*.sh"), *REPO.glob("launch/slurm/*.sh"), *REPO.glob("launch/slurm/*.sbatch")]
+)
+SLURM_CASES = sorted(FIXTURES.glob("slurm_env_*.json"))
+DERIVED = (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "NNODES",
+    "NODE_RANK",
+    "GPUS_PER_NODE",
+    "WORLD_SIZE",
+    "RESTART_COUNT",
+)
+
+
+def write_stub(directory: Path, name: str, body: str) -> None:
+    path = directory / name
+    path.write_text("#!/bin/bash\n" + body)
+    path.chmod(0o755)
+
+
+def stub_scontrol(directory: Path, nodelist: str, hostnames: list[str], log: Path) -> None:
+    """scontrol that answers `show hostnames <nodelist>` with the recorded hosts and logs `requeue <id>`."""
+    write_stub(
+        directory,
+        "scontrol",
+        f"""echo "$*" >> {log}
+if [[ "$1 $2" == "show hostnames" && "$3" == "{nodelist}" ]]; then printf '%s\\n' {" ".join(hostnames)}; exit 0; fi
+if [[ "$1" == requeue ]]; then exit 0; fi
+echo "scontrol stub: unexpected arguments: $*" >&2; exit 1
+""",
+    )
+
+
+def slurm_environment(case: dict, stub_dir: Path) -> dict[str, str]:
+    return {"PATH": f"{stub_dir}:/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp"), **case["env"]}
+
+
+def derive(env: dict[str, str]) -> subprocess.CompletedProcess:
+    show = " ".join(f'{name}="${name}"' for name in DERIVED)
+    command = f"source launch/slurm/slurm_env.sh && printf '%s\\n' {show}"
+    return subprocess.run(["bash", "-c", command], cwd=REPO, env=env, capture_output=True, text=True)
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(REPO)))
+def test_scripts_parse(script):
+    result = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_sbatch_files_request_requeue_and_a_warning_signal():
+    for name in ("zero3", "fsdp", "disaggregated"):
+        text = (REPO / "launch" / "slurm" / f"{name}.sbatch").read_text()
+        assert "#SBATCH --requeue" in text and "#SBATCH --signal=B:USR1@120" in text, name
+
+
+@pytest.mark.parametrize("case_file", SLURM_CASES, ids=lambda p: p.stem)
+def test_env_derivation_from_recorded_slurm_environments(case_file, tmp_path):
+    case = json.loads(case_file.read_text())
+    stub_scontrol(tmp_path, case["env"]["SLURM_JOB_NODELIST"], case["scontrol_hostnames"], tmp_path / "log")
+    result = derive(slurm_environment(case, tmp_path))
+    assert result.returncode == 0, result.stderr
+    derived = dict(line.split("=", 1) for line in result.stdout.splitlines())
+    assert derived == case["expected"]
+
+
+def test_env_derivation_names_what_is_missing(tmp_path):
+    case = json.loads((FIXTURES / "slurm_env_2x8.json").read_text())
+    stub_scontrol(tmp_path, case["env"]["SLURM_JOB_NODELIST"], case["scontrol_hostnames"], tmp_path / "log")
+    env = slurm_environment(case, tmp_path)
+    no_job = derive({k: v for k, v in env.items() if k != "SLURM_JOB_ID"})
+    assert no_job.returncode != 0 and "SLURM_JOB_ID is unset" in no_job.stderr
+    no_gpus = derive({k: v for k, v in env.items() if not k.startswith("SLURM_GPUS")})
+    assert no_gpus.returncode != 0 and "GPUS_PER_NODE" in no_gpus.stderr
+    explicit = derive(
+        {k: v for k, v in env.items() if not k.startswith("SLURM_GPUS")} | {"GPUS_PER_NODE": "4"}
+    )
+    assert "WORLD_SIZE=8" in explicit.stdout.splitlines()
+
+
+def start_sbatch(tmp_path: Path, overrides: list[str]) -> tuple[subprocess.Popen, Path, Path]:
+    """Run launch/slurm/fsdp.sbatch as SLURM would (batch shell, recorded 1-node environment) with
+    stub srun / scontrol; the srun stub records its arguments and then waits like a running step."""
+    case = json.loads((FIXTURES / "slurm_env_1node.json").read_text())
+    stub_scontrol(
+        tmp_path, case["env"]["SLURM_JOB_NODELIST"], case["scontrol_hostnames"], tmp_path / "scontrol.log"
+    )
+    srun_log = tmp_path / "srun.log"
+    write_stub(
+        tmp_path,
+        "srun",
+        f'printf "%s\\n" "$@" > {srun_log}.tmp; mv {srun_log}.tmp {srun_log}; exec sleep 60\n',
+    )
+    env = slurm_environment(case, tmp_path) | {"DFLASH2_ROOT": str(REPO), "PYTHON": sys.executable}
+    command = ["bash", "launch/slurm/fsdp.sbatch", "configs/tiny-dflash2.yaml", *overrides]
+    process = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    return process, srun_log, tmp_path / "scontrol.log"
+
+
+def test_sbatch_requeues_on_usr1(tmp_path):
+    process, srun_log, scontrol_log = start_sbatch(tmp_path, [f"output_dir={tmp_path / 'run'}"])
+    deadline = time.monotonic() + 60
+    while not srun_log.exists():
+        assert process.poll() is None, process.communicate()[0]
+        assert time.monotonic() < deadline, "srun was never called"
+        time.sleep(0.2)
+    process.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@120 delivers before the time limit
+    output, _ = process.communicate(timeout=30)
+    assert process.returncode == 0, output
+    assert "requeue 77" in scontrol_log.read_text().splitlines()
+    srun_args = srun_log.read_text().splitlines()
+    assert srun_args[:3] == ["--kill-on-bad-exit=1", "--nodes=1", "--ntasks-per-node=1"]
+    assert srun_args[-4:] == [
+        "--config",
+        "configs/tiny-dflash2.yaml",
+        f"output_dir={tmp_path / 'run'}",
+        "backend=fsdp",
+    ]
+
+
+def test_sbatch_refuses_a_config_that_cannot_resume(tmp_path):
+    process, srun_log, _ = start_sbatch(tmp_path, ["train.resume=none"])
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode != 0 and "train.resume='none'" in output
+    assert not srun_log.exists()
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def small_train_jsonl(tiny_default, tmp_path: Path, num_lines: int = 64) -> Path:
+    """The first lines of the tiny training set: enough for a few steps, quick to tokenize."""
+    lines = tiny_default.train_jsonl.read_text().splitlines(keepends=True)[:num_lines]
+    path = tmp_path / "train.jsonl"
+    path.write_text("".join(lines))
+    return path
+
+
+def test_two_nodes_simulated_with_two_torchrun_agents(tiny_default, tmp_path):
+    """Two agents (`torchrun --nnodes 2 --nproc_per_node 1 --node_rank {0,1} --rdzv_backend c10d`,
+    started by launch/multinode_torchrun.sh) run the real launch/train.py as one 2-rank world."""
+    run_dir = tmp_path / "run"
+    port = free_port()
+    args = [
+        "--config", "configs/tiny-dflash2.yaml",
+        f"model.target={tiny_default.target_dir}", f"data.train={small_train_jsonl(tiny_default, tmp_path)}",
+        "backend=fsdp", "train.max_steps=3", "train.save_every=0", "train.export=false",
+        "train.micro_batch_size=2", "train.progress_bar=false", f"output_dir={run_dir}",
+    ]  # fmt: skip
+    agents = []
+    for node_rank in (0, 1):
+        env = os.environ | {
+            "NNODES": "2", "NODE_RANK": str(node_rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+            "GPUS_PER_NODE": "1", "RDZV_ID": "two-node-test", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
+        }  # fmt: skip
+        agents.append(
+            subprocess.Popen(
+                ["launch/multinode_torchrun.sh", *args],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )  # fmt: skip
+        )
+    outputs = [agent.communicate(timeout=300)[0] for agent in agents]
+    for agent, output in zip(agents, outputs):
+        assert agent.returncode == 0, output[-4000:]
+    checkpoint = run_dir / "checkpoints" / "step_00000003"
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == checkpoint.name
+    assert json.loads((checkpoint / "contract.json").read_text())["data_parallel_size"] == 2
+    assert {p.name for p in (checkpoint / "backend").glob("rank*.safetensors")} == {
+        "rank00000.safetensors",
+        "rank00001.safetensors",
+    }
+
+
+# ------------------------------------------------------------------ a real single-node SLURM cluster
+
+SLURM_BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel")
+
+
+def slurm_conf(root: Path, host: str, ports: tuple[int, int]) -> str:
+    """One CPU node with one placeholder GPU (gres backed by /dev/null) so that SLURM itself sets
+    SLURM_GPUS_ON_NODE; proctrack/linuxproc and task/none need no cgroups."""
+    return f"""ClusterName=dflash2test
+SlurmctldHost={host}(127.0.0.1)
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+AuthInfo=socket={root}/munge.sock
+CredType=cred/munge
+StateSaveLocation={root}/state
+SlurmdSpoolDir={root}/spool
+SlurmctldPidFile={root}/slurmctld.pid
+SlurmdPidFile={root}/slurmd.pid
+SlurmctldLogFile={root}/slurmctld.log
+SlurmdLogFile={root}/slurmd.log
+SlurmctldPort={ports[0]}
+SlurmdPort={ports[1]}
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+JobAcctGatherType=jobacct_gather/none
+AccountingStorageType=accounting_storage/none
+MpiDefault=none
+SchedulerType=sched/builtin
+SelectType=select/cons_tres
+SelectTypeParameters=CR_Core
+ReturnToService=2
+JobRequeue=1
+GresTypes=gpu
+NodeName={host} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} RealMemory=2000 Gres=gpu:1 State=UNKNOWN
+PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+"""
+
+
+def wait_for(predicate, timeout: float, what: str, interval: float = 1.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+
+
+@pytest.fixture
+def slurm_cluster(tmp_path_factory):
+    """munged + slurmctld + slurmd on this machine, configured under a temporary directory.
+    Needs the Debian packages slurmd, slurmctld, slurm-client and munge, and root."""
+    import shutil
+
+    missing = [name for name in SLURM_BINARIES if shutil.which(name) is None]
+    if missing or os.geteuid() != 0:
+        pytest.skip(
+            f"a real SLURM needs root and {', '.join(missing) or 'nothing else'} (apt-get install slurmd slurmctld slurm-client munge)"
+        )
+    root = tmp_path_factory.mktemp("slurm")
+    root.chmod(0o700)
+    for name in ("state", "spool"):
+        (root / name).mkdir()
+    (root / "munge.key").write_bytes(os.urandom(1024))
+    (root / "munge.key").chmod(0o600)
+    host = socket.gethostname()
+    (root / "slurm.conf").write_text(slurm_conf(root, host, (free_port(), free_port())))
+    (root / "gres.conf").write_text("Name=gpu Count=1 File=/dev/null\n")
+    env = os.environ | {"SLURM_CONF": str(root / "slurm.conf")}
+    started = []
+    try:
+        munged = ["munged", "--force", f"--socket={root}/munge.sock", f"--key-file={root}/munge.key",
+                  f"--pid-file={root}/munged.pid", f"--log-file={root}/munged.log", f"--seed-file={root}/munge.seed"]  # fmt: skip
+        for command, pid_file in (
+            (munged, "munged.pid"),
+            (["slurmctld", "-c", "-f", str(root / "slurm.conf")], "slurmctld.pid"),
+            (["slurmd", "-N", host, "-f", str(root / "slurm.conf")], "slurmd.pid"),
+        ):
+            subprocess.run(command, env=env, check=True, capture_output=True)
+            started.append(
+                int(wait_for(lambda p=root / pid_file: p.exists() and p.read_text().strip(), 20, pid_file))
+            )
+        wait_for(
+            lambda: (
+                "idle"
+                in subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True).stdout
+            ),
+            30,
+            "the node to become idle",
+        )
+        yield env
+    finally:
+        for pid in reversed(started):
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+
+def job_state(env: dict, job_id: str) -> str:
+    out = subprocess.run(["scontrol", "show", "job", job_id], env=env, capture_output=True, text=True).stdout
+    return next((field.split("=", 1)[1] for field in out.split() if field.startswith("JobState=")), "")
+
+
+def test_sbatch_on_real_slurm_requeues_and_resumes(slurm_cluster, tiny_default, tmp_path):
+    """fsdp.sbatch under a real slurmctld/slurmd: train, receive USR1 (what --signal=B:USR1@120 sends
+    before the time limit), requeue itself, and resume from the latest checkpoint in the second run."""
+    env = slurm_cluster | {"PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    run_dir, log = tmp_path / "run", tmp_path / "job.out"
+    submit = [
+        "sbatch", "--parsable", "--nodes=1", "--gpus-per-node=1", f"--cpus-per-task={os.cpu_count()}",
+        f"--output={log}", "launch/slurm/fsdp.sbatch", "configs/tiny-dflash2.yaml",
+        f"model.target={tiny_default.target_dir}", f"data.train={small_train_jsonl(tiny_default, tmp_path)}",
+        "train.max_steps=6", "train.save_every=1", "train.export=false", "train.micro_batch_size=2",
+        "train.progress_bar=false", f"output_dir={run_dir}",
+    ]  # fmt: skip
+    job_id = subprocess.run(
+        submit, cwd=REPO, env=env, check=True, capture_output=True, text=True
+    ).stdout.strip()
+    checkpoints = run_dir / "checkpoints"
+    wait_for(lambda: (checkpoints / "step_00000001").is_dir(), 240, "the first checkpoint")
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=env, check=True)
+    wait_for(lambda: job_state(env, job_id) == "PENDING", 60, "the requeue")
+    # SLURM delays a requeued job's start (about two minutes); start it now
+    subprocess.run(["scontrol", "update", f"jobid={job_id}", "StartTime=now"], env=env, check=True)
+    state = wait_for(
+        lambda: job_state(env, job_id) in ("COMPLETED", "FAILED") and job_state(env, job_id), 300, "the job"
+    )
+    output = log.read_text()
+    assert state == "COMPLETED", output[-4000:]
+    assert f"job {job_id} (restart 0)" in output and f"job {job_id} (restart 1)" in output
+    assert "requeueing" in output
+    resumed = [line for line in output.splitlines() if "resumed from" in line]
+    assert len(resumed) == 1 and "step_0000000" in resumed[0]
+    assert (checkpoints / "latest").read_text().strip() == "step_00000006"
