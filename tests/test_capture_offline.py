@@ -1,0 +1,166 @@
+"""Offline capture (data_prep/capture.py) and training from the saved features.
+
+The features on disk are checked against a plain Hugging Face forward of the tiny default target;
+a run from data.features_dir against the online run (the real entry point, like test_train.py);
+the manifest check; and the embedding / LM head read from safetensors (tied, sharded).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash2.capture.head import load_target_head, target_num_parameters
+from dflash2.capture.offline import OfflineFeatures, feature_identity
+from dflash2.config import load_run_config
+from dflash2.data.loader import collate
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIG = REPO / "configs" / "tiny-dflash2.yaml"
+LAYER_IDS = [1, 3, 4]  # configs/draft/tiny-dflash2.json
+NUM_SAMPLES = 31  # odd: with 2 ranks and batches of 3, one rank runs a padding forward
+TIMEOUT_S = 300
+
+
+def run(command: list[str]) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert result.returncode == 0, f"failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return result
+
+
+def torchrun(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
+@pytest.fixture(scope="module")
+def overrides(tiny_default, tmp_path_factory) -> list[str]:
+    data = tmp_path_factory.mktemp("data") / "train.jsonl"
+    lines = tiny_default.train_jsonl.read_text().splitlines()[:NUM_SAMPLES]
+    data.write_text("\n".join(lines) + "\n")
+    return [
+        f"model.target={tiny_default.target_dir}",
+        f"data.train={data}",
+        "data.max_length=96",
+        "backend=fsdp",
+        "objective.num_anchors=8",
+        "train.micro_batch_size=4",
+        "train.max_steps=2",
+        "train.warmup_steps=0",
+        "train.lr=3e-3",
+        "train.log_every=1",
+        "train.progress_bar=false",
+        "train.export=false",
+    ]
+
+
+@pytest.fixture(scope="module")
+def features_dir(overrides, tmp_path_factory) -> Path:
+    """Two processes, each capturing its half of the samples with the FSDP-sharded target."""
+    out = tmp_path_factory.mktemp("features")
+    script = str(REPO / "data_prep" / "capture.py")
+    run([*torchrun(2), script, "--config", str(CONFIG), "--out", str(out), "--batch-size", "3", *overrides])
+    return out
+
+
+def expected_identity(overrides: list[str], *more: str):
+    return feature_identity(load_run_config(CONFIG, [*overrides, "output_dir=unused", *more]), LAYER_IDS)
+
+
+def test_manifest_covers_every_sample_in_both_ranks_shards(features_dir, overrides):
+    manifest = json.loads((features_dir / "manifest.json").read_text())
+    assert manifest["num_samples"] == NUM_SAMPLES and manifest["dtype"] == "float32"
+    assert manifest["feature_dim"] == 128 * len(LAYER_IDS)
+    assert {name.split("-")[1] for name in manifest["shards"]} == {"00000", "00001"}  # both ranks wrote
+    assert all((features_dir / name).is_file() for name in manifest["shards"])
+    OfflineFeatures(features_dir, expected_identity(overrides))  # the same run: accepted
+
+
+def test_offline_batches_equal_a_plain_hf_forward(features_dir, overrides, tiny_default, tiny_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from dflash2.data.prepare import prepare_dataset
+
+    cfg = load_run_config(CONFIG, [*overrides, "output_dir=unused"])
+    dataset, _ = prepare_dataset(cfg.data.train, tiny_tokenizer, cfg.data.max_length, on_error="fail")
+    model = AutoModelForCausalLM.from_pretrained(tiny_default.target_dir, dtype=torch.float32).eval()
+    store = OfflineFeatures(features_dir, expected_identity(overrides))
+    for indices in ([7, 0, 30, 12], [5], [29, 1]):  # other groupings than at capture time
+        batch = collate([dataset[i] for i in indices], tiny_tokenizer.pad_token_id)
+        with torch.no_grad():
+            hidden = model(
+                batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True
+            )
+        reference = torch.cat([hidden.hidden_states[i + 1] for i in LAYER_IDS], dim=-1)
+        seq_len = batch["input_ids"].shape[1]
+        got = store.batch(indices, seq_len)
+        real = batch["attention_mask"].bool()
+        assert got.shape == (len(indices), seq_len, 384)
+        # padding changes matmul shapes, hence float rounding: fp32 agrees to ~1e-6
+        torch.testing.assert_close(got[real], reference[real], rtol=1e-5, atol=1e-5)
+        assert got[~real].abs().sum() == 0  # right-padded with zeros
+
+
+def test_training_from_features_matches_online_and_never_loads_the_target(
+    features_dir, overrides, tiny_default, tmp_path
+):
+    entry = [sys.executable, str(REPO / "launch" / "train.py"), "--config", str(CONFIG), *overrides]
+    online = run([*entry, f"output_dir={tmp_path / 'online'}"])
+    offline = run([*entry, f"output_dir={tmp_path / 'offline'}", f"data.features_dir={features_dir}"])
+    total = target_num_parameters(tiny_default.target_dir)
+    assert f"holds {total}/{total} target parameters" in online.stdout
+    assert f"holds 0/{total} target parameters" in offline.stdout
+    first = [
+        json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])
+        for name in ("online", "offline")
+    ]
+    assert first[1]["loss"] == pytest.approx(first[0]["loss"], rel=1e-5)
+    assert first[1]["num_supervised_tokens"] == first[0]["num_supervised_tokens"]
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [("data.max_length=80", "max_length"), ("data.chat_template_kwargs={x: 1}", "chat_template_kwargs")],
+)
+def test_a_manifest_of_another_setup_is_refused_with_the_fix(features_dir, overrides, override, field):
+    with pytest.raises(
+        ValueError, match=rf"{field} is .* in the features but .* in this run.*data_prep/capture.py"
+    ):
+        OfflineFeatures(features_dir, expected_identity(overrides, override))
+
+
+def test_changed_layer_ids_or_missing_manifest_are_refused(features_dir, overrides, tmp_path):
+    with pytest.raises(ValueError, match=r"target_layer_ids is \[1, 3, 4\] in the features but \[1, 3\]"):
+        OfflineFeatures(features_dir, {**expected_identity(overrides), "target_layer_ids": [1, 3]})
+    with pytest.raises(ValueError, match="no manifest.json.*data_prep/capture.py"):
+        OfflineFeatures(tmp_path, expected_identity(overrides))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_head_is_read_from_sharded_safetensors_like_the_loaded_model(tied, tmp_path):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        tie_word_embeddings=tied,
+    )
+    model = Qwen3ForCausalLM(config)
+    model.save_pretrained(tmp_path, max_shard_size="20KB")  # several shards + an index json
+    assert (tmp_path / "model.safetensors.index.json").is_file()
+    head = load_target_head(tmp_path, torch.float32)
+    assert torch.equal(head.embed_weight, model.get_input_embeddings().weight)
+    assert torch.equal(head.lm_head_weight, model.get_output_embeddings().weight)
+    assert target_num_parameters(tmp_path) == sum(p.numel() for p in model.parameters())  # tied: counted once
