@@ -40,7 +40,7 @@ class TrainState:
 @dataclass
 class Setup:
     backend: Backend
-    target: nn.Module | None  # None when features come from disk
+    target: nn.Module | None  # None when features come from disk or from capture ranks
     head: TargetHead
     draft: nn.Module  # the sharded, callable draft
     draft_config: dict
@@ -50,7 +50,7 @@ class Setup:
     objective: ObjectiveConfig
     contract: dict
     tokenizer: object
-    features: object | None = None  # offline feature store, when data.features_dir is set
+    features: object | None = None  # OfflineFeatures or the capture ranks' FeatureReceiver; None: online
 
 
 # ------------------------------------------------------------------ build
