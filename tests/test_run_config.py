@@ -40,10 +40,11 @@ def test_overrides_are_typed_and_validated():
         ("train.max_steps=0", "train.max_steps: Input should be greater than or equal to 1"),
         ("objective.selector_mode=soft", "objective.selector_mode"),
         ("topology=disaggregated", "capture_ranks >= 1"),
+        ("topology=disaggregated capture_ranks=1", "needs backend=fsdp"),
         ("train.warmup_steps=-1", "train.warmup_steps"),
         ("train.max_steps", "must look like key=value"),
     ],
 )
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        load_run_config(ROOT / "configs/tiny-dflash2.yaml", [override])
+        load_run_config(ROOT / "configs/tiny-dflash2.yaml", override.split(" "))
