@@ -3,6 +3,8 @@ acceptance-length bookkeeping, and the CLI outputs."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -228,3 +230,55 @@ def test_verify_sampling_matches_target_distribution():
         tv = float(0.5 * (counts / num_trials - p[0]).abs().sum())
         bound = null_tv_bound(p[0].double(), num_trials)
         assert tv < bound, (tv, bound)
+
+
+# ------------------------------------------------------------------ CLI on the tiny default
+
+
+def test_cli_writes_json_tensorboard_and_plot(tiny_default, tmp_path, capsys):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from dflash2.export import export_draft
+    from tests.conftest import REPO_ROOT
+
+    torch.manual_seed(0)
+    draft = build_draft(REPO_ROOT / "configs" / "draft" / "tiny-dflash2.json")
+    export = export_draft(draft, tmp_path / "export", dtype=torch.float32)
+    out, tb, png = tmp_path / "eval.json", tmp_path / "tb", tmp_path / "tau.png"
+    args = [
+        "--draft",
+        str(export),
+        "--target",
+        str(tiny_default.target_dir),
+        "--data",
+        str(tiny_default.heldout_jsonl),
+    ]
+    args += [
+        "--num-prompts",
+        "2",
+        "--max-new-tokens",
+        "12",
+        "--out",
+        str(out),
+        "--tb-dir",
+        str(tb),
+        "--plot",
+        str(png),
+    ]
+    ev.main(args)
+    assert "mean acceptance length" in capsys.readouterr().out
+    summary = json.loads(out.read_text())
+    histogram = summary["acceptance_histogram"]
+    assert list(histogram) == [str(k) for k in range(1, 9)]
+    assert sum(histogram.values()) == summary["num_verify_steps"]
+    taus = [int(k) for k, count in histogram.items() for _ in range(count)]
+    assert summary["mean_acceptance_length"] == pytest.approx(sum(taus) / len(taus))
+    # Two prompts of at most 12 tokens: each step but the prefill one commits tokens.
+    assert summary["generated_tokens"] == sum(taus) + 2 <= 24
+    forwards = summary["num_verify_steps"] + 2
+    assert summary["target_forwards_per_token"] == pytest.approx(forwards / summary["generated_tokens"])
+    events = EventAccumulator(str(tb))
+    events.Reload()
+    logged = events.Scalars("eval/mean_acceptance_length")
+    assert logged[0].value == pytest.approx(summary["mean_acceptance_length"])
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
