@@ -77,14 +77,15 @@ def test_data_is_training_jsonl_with_learnable_replies(tiny_default, tiny_tokeni
 def test_target_greedy_continuation_is_structured(tiny_default, tiny_tokenizer):
     """Greedy replies to held-out prompts are varied and agree with the references far above chance.
 
-    Observed when built: ~0.35 of reply positions equal the reference and >= 8 distinct tokens per
-    reply; a model that learned nothing matches ~0 and repeats one token.
+    Observed on these 8 prompts: 0.25 of reply positions equal the reference, the first 4.5 tokens
+    on average match exactly, >= 10 distinct tokens per reply and 51 over all. A model that learned
+    nothing matches ~0 (chance is 1/640); a degenerate one repeats one token.
     """
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_default.target_dir).eval()
     heldout = _load_jsonl(tiny_default.heldout_jsonl)[:8]
-    num_matching = num_reference = 0
+    num_matching = num_reference = num_prefix = 0
     all_tokens = set()
     for row in heldout:
         prompt = tiny_tokenizer.apply_chat_template(
@@ -100,9 +101,13 @@ def test_target_greedy_continuation_is_structured(tiny_default, tiny_tokenizer):
         assert len(set(generated)) >= 6, tiny_tokenizer.decode(generated)
         all_tokens |= set(generated)
         num_matching += sum(a == b for a, b in zip(generated, reference))
+        num_prefix += next(
+            (i for i, (a, b) in enumerate(zip(generated, reference)) if a != b), len(reference)
+        )
         num_reference += len(reference)
-    assert num_matching / num_reference >= 0.2
-    assert len(all_tokens) >= 50
+    assert num_matching / num_reference >= 0.15
+    assert num_prefix / len(heldout) >= 2.5
+    assert len(all_tokens) >= 30
 
 
 def test_build_is_cached_by_stamp_and_deterministic(tmp_path):
