@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,15 @@ LAYER_HIDDEN_ACT, LAYER_HIDDEN_FP32 = 20, 2  # per block row x H: norms, convs, 
 LAYER_HEADS_ACT, LAYER_HEADS_FP32 = 5, 1  # per block row x (nh + 2 nkv) x d: q/k/v, norms, RoPE
 LAYER_MLP_ACT = 4  # per block row x I: gate, up, activation, product
 LAYER_CONTEXT_ACT, LAYER_CONTEXT_FP32 = 4, 1  # per context row x nkv x d: context keys/values, k_norm
+ACTIVATION_NOTES = {
+    "scores": "[b, nh, N, B, S+B] per layer: fp32 softmax + copy, mask",
+    "hidden": "block rows x (H, heads), context K/V, per layer",
+    "mlp": "block rows x I x 4, per layer",
+    "context": "fc + hidden_norm over [b, S, H]",
+    "final norm": "[b, N, B, H]",
+    "objective": "slot rows, CE gradient, selector rows",
+    "backward (one layer)": "gradients of one layer's activations",
+}
 
 
 @dataclass
@@ -285,6 +295,26 @@ def capture_items(target: nn.Module, s: StepShapes, target_bytes: int, act: int)
     ]  # fmt: skip
 
 
+def sent_features(target_part: list[Item], num_capture: int, num_trainers: int) -> list[Item]:
+    """Disaggregated capture rank: up to PREFETCH_DEPTH micro-batches in flight per trainer served."""
+    from dflash2.capture.disaggregated import PREFETCH_DEPTH
+
+    one = next(i.num_bytes for i in target_part if i.name == "captured features")
+    served = math.ceil(num_trainers / num_capture)
+    note = f"{PREFETCH_DEPTH} in flight x {served} trainer(s)"
+    return [Item("features being sent", one * PREFETCH_DEPTH * served, note)]
+
+
+def received_features(target_part: list[Item]) -> Item:
+    """Disaggregated trainer rank: the prefetch queue, one micro-batch arriving and one in use."""
+    from dflash2.capture.disaggregated import PREFETCH_DEPTH
+
+    one = next(i.num_bytes for i in target_part if i.name == "captured features")
+    return Item(
+        "received features", one * (PREFETCH_DEPTH + 2), f"{PREFETCH_DEPTH} queued + 1 arriving + 1 in use"
+    )
+
+
 def logits_item(cfg: RunConfig, vocab_size: int, supervised_rows: int) -> Item:
     rows = min(cfg.objective.logits_chunk_rows, supervised_rows)
     return Item("logits chunk", rows * vocab_size * FP32 * 3, f"{rows} rows x {vocab_size} x fp32 x 3")
@@ -327,15 +357,18 @@ def plan_run(cfg: RunConfig, *, world_size: int, target_config, device_gb: float
         *draft_state_items(draft_counts, cfg, num_trainers, offload),
         Item("draft gathered", *gathered_bytes(draft_counts, cfg.backend, act, with_grads=True)),
         Item("embedding + LM head copy", head_numel * act, f"2 x [{vocab}, {shapes.hidden}], full on every rank"),
-        *[Item(f"draft activations: {name}", value) for name, value in activations.items()],
+        *[Item(f"draft activations: {k}", v, ACTIVATION_NOTES[k]) for k, v in activations.items()],
         logits_item(cfg, vocab, supervised),
     ]  # fmt: skip
     allowance = Item("runtime allowance", RUNTIME_ALLOWANCE_BYTES, "CUDA context, NCCL, fragmentation")
     if num_capture:
-        features = [i for i in target_part if i.name == "captured features"]
         roles = [
-            RolePlan("capture", num_capture, [*target_part, allowance]),
-            RolePlan("trainer", num_trainers, [*draft_part, *features, allowance]),
+            RolePlan(
+                "capture",
+                num_capture,
+                [*target_part, *sent_features(target_part, num_capture, num_trainers), allowance],
+            ),
+            RolePlan("trainer", num_trainers, [*draft_part, received_features(target_part), allowance]),
         ]
     else:
         roles = [RolePlan("colocated", world_size, [*target_part, *draft_part, allowance])]
