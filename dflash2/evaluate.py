@@ -256,13 +256,16 @@ def target_generate(
 def read_prompts(data_jsonl: str | Path, num_prompts: int) -> list[list[dict[str, str]]]:
     """The first `num_prompts` conversations of a training_jsonl file, each cut before its first
     assistant turn (the prompt a server would receive)."""
-    from dflash2.data.jsonl import iter_lines, parse_sample
+    from dflash2.data.jsonl import SampleError, iter_lines, parse_sample
 
     prompts = []
     for line_number, line in iter_lines(data_jsonl):
         if len(prompts) == num_prompts:
             break
-        messages = parse_sample(line, line_number).messages
+        try:
+            messages = parse_sample(line, line_number).messages
+        except SampleError as error:
+            raise ValueError(f"{data_jsonl}:{line_number}: {error}") from None
         first_reply = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
         if first_reply == 0:
             raise ValueError(

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from dflash2.config import load_run_config
-from dflash2.data.jsonl import iter_lines, parse_sample
+from dflash2.data.jsonl import SampleError, iter_lines, parse_sample
 from dflash2.evaluate import encode_prompt, speculative_generate, stop_token_ids_of, target_generate
 
 GATE_DIR_NAME = "serving_gate"
@@ -59,7 +59,10 @@ def select_samples(data_jsonl: str | Path, num_samples: int) -> list[dict]:
         raise ValueError(f"--num-samples must be between 1 and {MAX_SAMPLES}, got {num_samples}")
     samples = []
     for line_number, line in iter_lines(data_jsonl):
-        sample = parse_sample(line, line_number)  # SampleError (a ValueError) names the line and the problem
+        try:
+            sample = parse_sample(line, line_number)
+        except SampleError as error:
+            raise ValueError(f"{data_jsonl}:{line_number}: {error}") from None
         if sample.messages[0]["role"] == "assistant":
             raise ValueError(
                 f"{data_jsonl}:{line_number}: starts with an assistant turn; the gate needs a prompt"
@@ -120,26 +123,37 @@ def train_overrides(
     return [*GATE_OVERRIDES, f"train.warmup_steps={min(10, steps)}", *user, *forced]
 
 
+def first_prompt(sample: dict) -> list[dict[str, str]]:
+    turns = sample["conversations"]
+    return turns[: next(i for i, turn in enumerate(turns) if turn["role"] == "assistant")]
+
+
 def decode_check(
-    export_dir: Path, target, tokenizer, prompt_messages, max_new_tokens: int, template_kwargs
+    export_dir: Path, target, tokenizer, sample: dict, max_new_tokens: int, template_kwargs
 ) -> dict:
-    """Reload the export, decode the prompt with speculative decoding, compare with the target."""
+    """Reload the export, decode the sample's prompt with speculative decoding, compare with the
+    target's own greedy reply. Returns the decode fields of the result, `errors` and `warnings`."""
     from dflash2.models import TargetHead, load_draft
 
     draft = load_draft(export_dir, dtype=torch.float32)
     head = TargetHead.from_target(target, dtype=torch.float32)
     block_size = draft.block_size
-    prompt = encode_prompt(prompt_messages, tokenizer, template_kwargs)
+    prompt = encode_prompt(first_prompt(sample), tokenizer, template_kwargs)
     stop_ids = stop_token_ids_of(tokenizer)
     reference = target_generate(target, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids)
+    result = {
+        "block_size": block_size,
+        "target_tokens": len(reference),
+        "errors": [],
+        "warnings": label_check(sample, prompt, reference, tokenizer, template_kwargs),
+    }
     # The prefill gives one token, each fully accepted verify step one block.
     num_blocks = (len(reference) - 1) // block_size
-    result = {"block_size": block_size, "target_tokens": len(reference)}
     if num_blocks == 0:
-        result["errors"] = [
+        result["errors"].append(
             f"the target's reply has {len(reference)} tokens, fewer than 1 + block_size ({1 + block_size}); "
             "pick a sample with a longer reply"
-        ]
+        )
         return result
     spec = speculative_generate(
         draft, target, head, prompt, max_new_tokens=1 + num_blocks * block_size, stop_token_ids=stop_ids
@@ -150,7 +164,6 @@ def decode_check(
         target_prefix_match_tokens=common_prefix(spec.output_ids, reference),
         generated_tokens=len(spec.output_ids),
         clean_block_tokens=spec.clean_block_tokens,
-        errors=[],
     )
     return result
 
@@ -167,6 +180,30 @@ def label_check(
     if ids[: len(prompt_ids)] != prompt_ids or labels != reference:
         return ["the rendered training sample does not contain the target's greedy tokens after the prompt"]
     return []
+
+
+def judge(result: dict) -> None:
+    """Set `passed` and explain a failure in `errors`."""
+    block_size = result.get("block_size", 0)
+    if "acceptance_lengths" not in result:  # no decode happened; errors already say why
+        result["passed"] = False
+        return
+    if result["spec_accept_length"] < block_size:
+        result["errors"].append(
+            f"spec_accept_length {result['spec_accept_length']:.3f} < block_size {block_size}"
+        )
+    if result["target_prefix_match_tokens"] < block_size:
+        result["errors"].append(
+            f"target_prefix_match_tokens {result['target_prefix_match_tokens']} < block_size {block_size}"
+        )
+    result["passed"] = not result["errors"]
+
+
+def _timed(result: dict, stage: str, fn, *args):
+    clock = time.perf_counter()
+    value = fn(*args)
+    result["timings_s"][stage] = round(time.perf_counter() - clock, 2)
+    return value
 
 
 def run_gate(
@@ -211,54 +248,43 @@ def run_gate(
         "timings_s": {},
     }
     try:
-        clock = time.perf_counter()
         tokenizer = AutoTokenizer.from_pretrained(base.model.target)
         target = AutoModelForCausalLM.from_pretrained(base.model.target, dtype=torch.float32).eval()
-        samples = regenerate_samples(samples, target, tokenizer, max_new_tokens, template_kwargs)
+        samples = _timed(
+            result,
+            "regenerate",
+            regenerate_samples,
+            samples,
+            target,
+            tokenizer,
+            max_new_tokens,
+            template_kwargs,
+        )
         data_path = gate_dir / DATA_NAME
         data_path.write_text("".join(json.dumps(s, ensure_ascii=False) + "\n" for s in samples))
-        result["timings_s"]["regenerate"] = round(time.perf_counter() - clock, 2)
-
-        clock = time.perf_counter()
         cfg = load_run_config(
             config_path, train_overrides(gate_dir, data_path, steps, num_samples, overrides)
         )
-        summary = run(cfg)
-        result["train_final_metrics"] = {k: float(v) for k, v in (summary or {}).items()}
-        result["timings_s"]["train"] = round(time.perf_counter() - clock, 2)
-
-        clock = time.perf_counter()
-        first = samples[0]["conversations"]
-        prompt_messages = first[: next(i for i, m in enumerate(first) if m["role"] == "assistant")]
-        decoded = decode_check(
-            gate_dir / "export", target, tokenizer, prompt_messages, max_new_tokens, template_kwargs
+        metrics = _timed(result, "train", run, cfg)
+        result["train_final_metrics"] = {k: float(v) for k, v in (metrics or {}).items()}
+        decoded = _timed(
+            result,
+            "decode",
+            decode_check,
+            gate_dir / "export",
+            target,
+            tokenizer,
+            samples[0],
+            max_new_tokens,
+            template_kwargs,
         )
-        result["timings_s"]["decode"] = round(time.perf_counter() - clock, 2)
         result["errors"] += decoded.pop("errors")
         result.update(decoded)
-        prompt_ids = encode_prompt(prompt_messages, tokenizer, template_kwargs)
-        reference = target_generate(
-            target, prompt_ids, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids_of(tokenizer)
-        )
-        result["warnings"] = label_check(samples[0], prompt_ids, reference, tokenizer, template_kwargs)
     except Exception as error:  # recorded in the result (a gate must always report), then re-raised
         result["errors"].append(f"{type(error).__name__}: {error}")
         write_result(result, result_path)
         raise
-    block_size = result.get("block_size", 0)
-    if "spec_accept_length" in decoded and result["spec_accept_length"] < block_size:
-        result["errors"].append(
-            f"spec_accept_length {result['spec_accept_length']:.3f} < block_size {block_size}"
-        )
-    if "spec_accept_length" in decoded and result["target_prefix_match_tokens"] < block_size:
-        result["errors"].append(
-            f"target_prefix_match_tokens {result['target_prefix_match_tokens']} < block_size {block_size}"
-        )
-    result["passed"] = (
-        "spec_accept_length" in decoded
-        and result["spec_accept_length"] >= block_size
-        and result["target_prefix_match_tokens"] >= block_size
-    )
+    judge(result)
     write_result(result, result_path)
     return result
 
