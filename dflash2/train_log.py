@@ -34,6 +34,7 @@ class TrainLogger:
             tokens_per_s=float(sums["input_tokens"]) / step_s,
             anchors_per_s=summary["num_anchors"] / step_s,
             capture_fraction=timing["capture_s"] / step_s,
+            feature_wait_s=timing["capture_s"],
             step_time_s=step_s,
         )
         for name, value in scalars.items():
