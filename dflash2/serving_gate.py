@@ -44,7 +44,6 @@ GATE_OVERRIDES = (
     "objective.num_anchors=256",
     "objective.loss_gamma=null",
     "train.lr=3e-3",
-    "train.warmup_steps=10",
     "train.schedule=cosine",
     "train.min_lr_ratio=0.1",
     "train.grad_accum_steps=1",
