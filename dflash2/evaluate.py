@@ -489,6 +489,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--out", help="write the summary JSON here")
     parser.add_argument("--tb-dir", help="write TensorBoard scalars (eval/...) here")
     parser.add_argument("--plot", help="write a PNG of the acceptance histogram here")
+    parser.add_argument(
+        "--chat-template-kwargs",
+        type=json.loads,
+        default=None,
+        help='JSON for the prompt\'s chat template, e.g. \'{"enable_thinking": false}\' (match the server)',
+    )
     args = parser.parse_args(argv)
     summary = evaluate(
         args.draft,
@@ -502,6 +508,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         tb_dir=args.tb_dir,
         plot_path=args.plot,
         device=args.device,
+        chat_template_kwargs=args.chat_template_kwargs,
     )
     print(format_table(summary))
     return summary
