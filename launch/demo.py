@@ -121,8 +121,11 @@ def main(argv: list[str] | None = None) -> int:
     export_v2 = train("dflash2", "configs/tiny-dflash2.yaml", regen, out / "dflash2", args.steps)
 
     stage(5, total, "acceptance length on held-out prompts (speculative decoding against the target)")
+    from transformers.utils import logging as hf_logging
+
     from dflash2.evaluate import evaluate
 
+    hf_logging.disable_progress_bar()
     untrained = export_untrained(out / "untrained" / "export")
     taus = {}
     for key, draft in [("tau_untrained", untrained), ("tau_dflash", export_v1), ("tau_dflash2", export_v2)]:
