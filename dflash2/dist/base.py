@@ -127,11 +127,29 @@ class Backend(ABC):
     def target_head(self, target: nn.Module, dtype: torch.dtype) -> TargetHead:
         """Full embedding + LM head on every rank, gathered from the shards (collective)."""
 
-    @abstractmethod
+    @torch.no_grad()
     def target_hidden_states(
         self, target: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
         """`target(..., output_hidden_states=True).hidden_states`: embeddings + one [b, S, H] per layer (collective)."""
+        # logits_to_keep=1: the LM head runs on one position only; its output is not used here
+        out = target(
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention_mask.to(self.device),
+            output_hidden_states=True,
+            use_cache=False,
+            logits_to_keep=1,
+        )
+        return out.hidden_states
+
+    def _check_draft_args(self, optim: OptimConfig, precision: str) -> None:
+        if precision not in ("fp32", "bf16"):
+            raise ValueError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
+        if optim.grad_accum_steps != self.grad_accum_steps:
+            raise ValueError(
+                f"optim.grad_accum_steps={optim.grad_accum_steps} but the backend was built with "
+                f"grad_accum_steps={self.grad_accum_steps}"
+            )
 
     @abstractmethod
     def setup_draft(

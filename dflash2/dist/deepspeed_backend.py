@@ -88,32 +88,12 @@ class DeepSpeedBackend(Backend):
             ]
         return TargetHead(*copies)
 
-    @torch.no_grad()
-    def target_hidden_states(
-        self, target: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        # logits_to_keep=1: the LM head runs on one position only; its output is not used here
-        out = target(
-            input_ids=input_ids.to(self.device),
-            attention_mask=attention_mask.to(self.device),
-            output_hidden_states=True,
-            use_cache=False,
-            logits_to_keep=1,
-        )
-        return out.hidden_states
-
     # ---- draft --------------------------------------------------------------------------------------
 
     def setup_draft(
         self, draft: nn.Module, optim: OptimConfig, precision: Literal["fp32", "bf16"]
     ) -> nn.Module:
-        if precision not in ("fp32", "bf16"):
-            raise ValueError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
-        if optim.grad_accum_steps != self.grad_accum_steps:
-            raise ValueError(
-                f"optim.grad_accum_steps={optim.grad_accum_steps} but the backend was built with "
-                f"grad_accum_steps={self.grad_accum_steps}"
-            )
+        self._check_draft_args(optim, precision)
         config = copy.deepcopy(self.ds_config)
         set_ds_value(config, "gradient_clipping", optim.max_grad_norm, source="optim.max_grad_norm")
         set_ds_value(config, "bf16.enabled", precision == "bf16", source=f"precision={precision!r}")

@@ -76,32 +76,12 @@ class FSDPBackend(Backend):
         copies = [None if t is None else _full(t.detach()).clone().to(self.device, dtype) for t in tensors]
         return TargetHead(*copies)
 
-    @torch.no_grad()
-    def target_hidden_states(
-        self, target: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        # logits_to_keep=1: the LM head runs on one position only; its output is not used here
-        out = target(
-            input_ids=input_ids.to(self.device),
-            attention_mask=attention_mask.to(self.device),
-            output_hidden_states=True,
-            use_cache=False,
-            logits_to_keep=1,
-        )
-        return out.hidden_states
-
     # ---- draft --------------------------------------------------------------------------------------
 
     def setup_draft(
         self, draft: nn.Module, optim: OptimConfig, precision: Literal["fp32", "bf16"]
     ) -> nn.Module:
-        if precision not in ("fp32", "bf16"):
-            raise ValueError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
-        if optim.grad_accum_steps != self.grad_accum_steps:
-            raise ValueError(
-                f"optim.grad_accum_steps={optim.grad_accum_steps} but the backend was built with "
-                f"grad_accum_steps={self.grad_accum_steps}"
-            )
+        self._check_draft_args(optim, precision)
         # fp32 master weights; bf16 only for compute, gradients reduced in fp32
         mp_policy = None
         if precision == "bf16":
