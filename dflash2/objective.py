@@ -104,13 +104,10 @@ def block_targets(
 # ------------------------------------------------------------------ chunked unary cross-entropy
 
 
-def _transform(z: torch.Tensor, multiplier: float, cap: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unary transforms and their derivative du/dz (multiply first, then softcap)."""
+def _transform(z: torch.Tensor, multiplier: float, cap: float | None) -> torch.Tensor:
+    """Unary transforms: multiply first, then softcap."""
     u = z * multiplier
-    if cap is None:
-        return u, torch.full_like(u, multiplier)
-    t = torch.tanh(u / cap)
-    return cap * t, multiplier * (1 - t * t)
+    return u if cap is None else cap * torch.tanh(u / cap)
 
 
 class _ChunkedUnaryCE(torch.autograd.Function):
@@ -129,17 +126,19 @@ class _ChunkedUnaryCE(torch.autograd.Function):
         topk_ids = []
         for start in range(0, hidden.shape[0], chunk_rows):
             sl = slice(start, start + chunk_rows)
-            z = F.linear(hidden[sl], weight, bias).float()
-            u, du_dz = _transform(z, multiplier, cap)
-            lse = torch.logsumexp(u, dim=-1)
-            gold = u.gather(1, labels[sl, None])[:, 0]
-            loss += (row_weights[sl] * (lse - gold)).sum()
-            topk_ids.append(torch.topk(u, top_k, dim=-1).indices)
-            if need_grad:
-                d = torch.exp(u - lse[:, None])  # softmax
-                d.scatter_add_(1, labels[sl, None], -torch.ones_like(gold[:, None]))
-                d *= row_weights[sl, None] * du_dz
-                grad[sl] = (d.to(weight.dtype) @ weight).to(hidden.dtype)
+            chunk_loss, ids = _chunk_ce(
+                hidden[sl],
+                weight,
+                bias,
+                labels[sl],
+                row_weights[sl],
+                multiplier,
+                cap,
+                top_k,
+                grad[sl] if need_grad else None,
+            )
+            loss += chunk_loss
+            topk_ids.append(ids)
         ids = torch.cat(topk_ids) if topk_ids else labels.new_zeros((0, top_k))
         ctx.mark_non_differentiable(ids)
         ctx.save_for_backward(grad)
@@ -149,6 +148,37 @@ class _ChunkedUnaryCE(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_ids):
         (grad,) = ctx.saved_tensors
         return grad * grad_loss, None, None, None, None, None, None, None, None
+
+
+def _chunk_ce(hidden, weight, bias, labels, row_weights, multiplier, cap, top_k, grad_out):
+    """One chunk of _ChunkedUnaryCE, in its own frame so its buffers die before the next chunk.
+
+    Works in place on one [rows, V] fp32 buffer (two with a softcap): the peak is about one logits
+    buffer plus logsumexp's temporary. Writes d loss / d hidden into `grad_out` when given.
+    """
+    u = F.linear(hidden, weight, bias).float()
+    if multiplier != 1.0:
+        u.mul_(multiplier)
+    du_dz = None
+    if cap is not None:
+        u.div_(cap).tanh_()  # t = tanh(m z / cap)
+        if grad_out is not None:
+            du_dz = (u * u).neg_().add_(1).mul_(multiplier)  # m (1 - t^2)
+        u.mul_(cap)
+    lse = torch.logsumexp(u, dim=-1)
+    gold = u.gather(1, labels[:, None])[:, 0]
+    loss = (row_weights * (lse - gold)).sum()
+    ids = torch.topk(u, top_k, dim=-1).indices
+    if grad_out is not None:
+        d = u.sub_(lse[:, None]).exp_()  # softmax, in the logits buffer
+        d.scatter_add_(1, labels[:, None], -torch.ones_like(gold[:, None]))
+        d.mul_(row_weights[:, None])
+        if du_dz is not None:
+            d.mul_(du_dz)
+        elif multiplier != 1.0:
+            d.mul_(multiplier)
+        grad_out.copy_(d.to(weight.dtype) @ weight)
+    return loss, ids
 
 
 def unary_ce(hidden, head: TargetHead, labels, row_weights, multiplier, cap, chunk_rows, top_k):
@@ -168,7 +198,7 @@ def unary_ce(hidden, head: TargetHead, labels, row_weights, multiplier, cap, chu
 
 def unary_ce_naive(hidden, head: TargetHead, labels, row_weights, multiplier, cap, top_k):
     """Reference path: full [R, V] logits through autograd (benchmarks and tests only)."""
-    u, _ = _transform(head.logits(hidden).float(), multiplier, cap)
+    u = _transform(head.logits(hidden).float(), multiplier, cap)
     loss = (row_weights * F.cross_entropy(u, labels, reduction="none")).sum()
     return loss, torch.topk(u.detach(), top_k, dim=-1).indices
 
@@ -203,7 +233,7 @@ def selector_scores(
     z = torch.einsum("rh,rkh->rk", hidden, head.lm_head_weight[candidates].to(hidden.dtype))
     if head.lm_head_bias is not None:
         z = z + head.lm_head_bias[candidates]
-    unary, _ = _transform(z.float(), multiplier, cap)
+    unary = _transform(z.float(), multiplier, cap)
     scores = selector(hidden, unary, candidates, predecessors[:, None])[:, 0]  # [R, k]
     return scores.float(), gold_index, in_topk
 
