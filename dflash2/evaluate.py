@@ -493,7 +493,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "--chat-template-kwargs",
         type=json.loads,
         default=None,
-        help='JSON for the prompt\'s chat template, e.g. \'{"enable_thinking": false}\' (match the server)',
+        help="JSON for the prompt's chat template, e.g. '{\"enable_thinking\": false}' (match the server)",
     )
     args = parser.parse_args(argv)
     summary = evaluate(
