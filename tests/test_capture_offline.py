@@ -8,9 +8,6 @@ the manifest check; and the embedding / LM head read from safetensors (tied, sha
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,30 +17,15 @@ from dflash2.capture.head import load_target_head, target_num_parameters
 from dflash2.capture.offline import OfflineFeatures, feature_identity
 from dflash2.config import load_run_config
 from dflash2.data.loader import collate
+from tests.run_helpers import REPO, TINY_CONFIG, check_ok, launch_train, metrics, run, tiny_subset, torchrun
 
-REPO = Path(__file__).resolve().parents[1]
-CONFIG = REPO / "configs" / "tiny-dflash2.yaml"
 LAYER_IDS = [1, 3, 4]  # configs/draft/tiny-dflash2.json
 NUM_SAMPLES = 31  # odd: with 2 ranks and batches of 3, one rank runs a padding forward
-TIMEOUT_S = 300
-
-
-def run(command: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    assert result.returncode == 0, f"failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-    return result
-
-
-def torchrun(nproc: int) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
 
 
 @pytest.fixture(scope="module")
 def overrides(tiny_default, tmp_path_factory) -> list[str]:
-    data = tmp_path_factory.mktemp("data") / "train.jsonl"
-    lines = tiny_default.train_jsonl.read_text().splitlines()[:NUM_SAMPLES]
-    data.write_text("\n".join(lines) + "\n")
+    data = tiny_subset(tiny_default, tmp_path_factory.mktemp("data"), NUM_SAMPLES)
     return [
         f"model.target={tiny_default.target_dir}",
         f"data.train={data}",
@@ -65,12 +47,26 @@ def features_dir(overrides, tmp_path_factory) -> Path:
     """Two processes, each capturing its half of the samples with the FSDP-sharded target."""
     out = tmp_path_factory.mktemp("features")
     script = str(REPO / "data_prep" / "capture.py")
-    run([*torchrun(2), script, "--config", str(CONFIG), "--out", str(out), "--batch-size", "3", *overrides])
+    check_ok(
+        run(
+            [
+                *torchrun(2),
+                script,
+                "--config",
+                str(TINY_CONFIG),
+                "--out",
+                str(out),
+                "--batch-size",
+                "3",
+                *overrides,
+            ]
+        )
+    )
     return out
 
 
 def expected_identity(overrides: list[str], *more: str):
-    return feature_identity(load_run_config(CONFIG, [*overrides, "output_dir=unused", *more]), LAYER_IDS)
+    return feature_identity(load_run_config(TINY_CONFIG, [*overrides, "output_dir=unused", *more]), LAYER_IDS)
 
 
 def test_manifest_covers_every_sample_in_both_ranks_shards(features_dir, overrides):
@@ -87,7 +83,7 @@ def test_offline_batches_equal_a_plain_hf_forward(features_dir, overrides, tiny_
 
     from dflash2.data.prepare import prepare_dataset
 
-    cfg = load_run_config(CONFIG, [*overrides, "output_dir=unused"])
+    cfg = load_run_config(TINY_CONFIG, [*overrides, "output_dir=unused"])
     dataset, _ = prepare_dataset(cfg.data.train, tiny_tokenizer, cfg.data.max_length, on_error="fail")
     model = AutoModelForCausalLM.from_pretrained(tiny_default.target_dir, dtype=torch.float32).eval()
     store = OfflineFeatures(features_dir, expected_identity(overrides))
@@ -110,16 +106,16 @@ def test_offline_batches_equal_a_plain_hf_forward(features_dir, overrides, tiny_
 def test_training_from_features_matches_online_and_never_loads_the_target(
     features_dir, overrides, tiny_default, tmp_path
 ):
-    entry = [sys.executable, str(REPO / "launch" / "train.py"), "--config", str(CONFIG), *overrides]
-    online = run([*entry, f"output_dir={tmp_path / 'online'}"])
-    offline = run([*entry, f"output_dir={tmp_path / 'offline'}", f"data.features_dir={features_dir}"])
+    online = check_ok(launch_train(1, [*overrides, f"output_dir={tmp_path / 'online'}"]))
+    offline = check_ok(
+        launch_train(
+            1, [*overrides, f"output_dir={tmp_path / 'offline'}", f"data.features_dir={features_dir}"]
+        )
+    )
     total = target_num_parameters(tiny_default.target_dir)
     assert f"holds {total}/{total} target parameters" in online.stdout
     assert f"holds 0/{total} target parameters" in offline.stdout
-    first = [
-        json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[0])
-        for name in ("online", "offline")
-    ]
+    first = [metrics(tmp_path / name)[0] for name in ("online", "offline")]
     assert first[1]["loss"] == pytest.approx(first[0]["loss"], rel=1e-5)
     assert first[1]["num_supervised_tokens"] == first[0]["num_supervised_tokens"]
 

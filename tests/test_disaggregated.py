@@ -7,11 +7,7 @@ target is never loaded on trainer ranks; a crashed trainer stops the whole job.
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,46 +17,22 @@ from dflash2.capture.disaggregated import INJECT_FAILURE_ENV, capture_schedule, 
 from dflash2.capture.head import target_num_parameters
 from dflash2.config import load_run_config
 from dflash2.export import check_export
+from tests.run_helpers import TINY_CONFIG, check_ok, launch_train, metrics, tiny_subset
 
-REPO = Path(__file__).resolve().parents[1]
-CONFIG = REPO / "configs" / "tiny-dflash2.yaml"
-TIMEOUT_S = 300
 CRASH_BOUND_S = 120  # a crashed rank must end the job well before any process-group timeout
 
 
-def launch(nproc: int, overrides: list[str], extra_env: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(extra_env or {})}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        str(REPO / "launch" / "train.py"),
-        "--config",
-        str(CONFIG),
-        *overrides,
-    ]
-    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-
-
-def check_ok(result: subprocess.CompletedProcess) -> None:
-    assert result.returncode == 0, f"run failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-
-
 def losses(run_dir: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [m["loss"] for m in metrics(run_dir)]
 
 
 @pytest.fixture(scope="module")
 def common(tiny_default, tmp_path_factory) -> list[str]:
-    data = tmp_path_factory.mktemp("data") / "train.jsonl"
-    data.write_text("\n".join(tiny_default.train_jsonl.read_text().splitlines()[:32]) + "\n")
+    data = tiny_subset(tiny_default, tmp_path_factory.mktemp("data"), 32)
     return [
         f"model.target={tiny_default.target_dir}",
         f"data.train={data}",
         "data.max_length=96",
-        "backend=fsdp",
         "objective.num_anchors=8",
         "train.micro_batch_size=2",  # x 2 trainer ranks: a global micro-batch of 4
         "train.max_steps=4",
@@ -81,21 +53,21 @@ def test_schedule_serves_every_trainer_once_per_micro_batch_and_pads_the_rest():
     assert all(row[t % 3] == t for row in rounds for t in row if t is not None)  # trainer t <- rank t % 3
 
 
-def test_deepspeed_and_trainerless_layouts_are_refused(common):
-    cfg = load_run_config(CONFIG, [*common, "output_dir=x", "topology=disaggregated", "capture_ranks=1"])
-    with pytest.raises(ValueError, match="needs backend=fsdp.*set backend=fsdp"):
-        check_disaggregated(cfg.model_copy(update={"backend": "deepspeed"}))
+def test_trainerless_layouts_are_refused(common):
+    cfg = load_run_config(TINY_CONFIG, [*common, "output_dir=x", "topology=disaggregated", "capture_ranks=1"])
     with pytest.raises(ValueError, match=r"capture_ranks=1 must be in \[1, 0\] for 1 processes"):
         check_disaggregated(cfg, world_size=1)
 
 
+@pytest.mark.parametrize("backend", ["fsdp", "deepspeed"])
 def test_disaggregated_matches_colocated_across_a_resume_and_trainers_hold_no_target(
-    common, tiny_default, tmp_path
+    common, tiny_default, tmp_path, backend
 ):
     colocated, split = tmp_path / "colocated", tmp_path / "disaggregated"
-    check_ok(launch(2, [*common, f"output_dir={colocated}", "train.export=false"]))
+    common = [*common, f"backend={backend}"]
+    check_ok(launch_train(2, [*common, f"output_dir={colocated}", "train.export=false"]))
     disaggregated = [*common, f"output_dir={split}", "topology=disaggregated", "capture_ranks=1"]
-    first = launch(3, [*disaggregated, "train.save_every=2", "train.stop_at_step=2"])
+    first = launch_train(3, [*disaggregated, "train.save_every=2", "train.stop_at_step=2"])
     check_ok(first)
     total = target_num_parameters(tiny_default.target_dir)
     assert re.findall(r"capture rank 0: holds (\d+)/(\d+) target parameters", first.stdout) == [
@@ -105,25 +77,26 @@ def test_disaggregated_matches_colocated_across_a_resume_and_trainers_hold_no_ta
         re.findall(r"\] rank \d: holds (\d+)/(\d+) target parameters", first.stdout)
         == [("0", str(total))] * 2
     )
-    second = launch(3, disaggregated)  # resumes at step 2: the capture rank must continue the data order
+    second = launch_train(
+        3, disaggregated
+    )  # resumes at step 2: the capture rank must continue the data order
     check_ok(second)
     assert "resumed from" in second.stdout
     # Same global batches and blocks, the same target forward per micro-batch: equal up to fp32 rounding.
     assert losses(split) == pytest.approx(losses(colocated), rel=1e-6)
-    waits = [
-        json.loads(line)["feature_wait_s"] for line in (split / "metrics.jsonl").read_text().splitlines()
-    ]
+    waits = [m["feature_wait_s"] for m in metrics(split)]
     assert len(waits) == 4 and all(w >= 0 for w in waits)
     assert check_export(split / "export") == []  # exported by the trainer ranks
 
 
 def test_a_crashed_trainer_stops_the_whole_job(common, tmp_path):
     start = time.monotonic()
-    result = launch(
+    result = launch_train(
         3,
         [
             *common,
             f"output_dir={tmp_path}",
+            "backend=fsdp",
             "topology=disaggregated",
             "capture_ranks=1",
             "train.export=false",

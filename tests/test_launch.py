@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.run_helpers import tiny_subset
+
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 SCRIPTS = sorted(
@@ -153,14 +155,6 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def small_train_jsonl(tiny_default, tmp_path: Path, num_lines: int = 64) -> Path:
-    """The first lines of the tiny training set: enough for a few steps, quick to tokenize."""
-    lines = tiny_default.train_jsonl.read_text().splitlines(keepends=True)[:num_lines]
-    path = tmp_path / "train.jsonl"
-    path.write_text("".join(lines))
-    return path
-
-
 def test_two_nodes_simulated_with_two_torchrun_agents(tiny_default, tmp_path):
     """Two agents (`torchrun --nnodes 2 --nproc_per_node 1 --node_rank {0,1} --rdzv_backend c10d`,
     started by launch/multinode_torchrun.sh) run the real launch/train.py as one 2-rank world."""
@@ -168,7 +162,7 @@ def test_two_nodes_simulated_with_two_torchrun_agents(tiny_default, tmp_path):
     port = free_port()
     args = [
         "--config", "configs/tiny-dflash2.yaml",
-        f"model.target={tiny_default.target_dir}", f"data.train={small_train_jsonl(tiny_default, tmp_path)}",
+        f"model.target={tiny_default.target_dir}", f"data.train={tiny_subset(tiny_default, tmp_path, 64)}",
         "backend=fsdp", "train.max_steps=3", "train.save_every=0", "train.export=false",
         "train.micro_batch_size=2", "train.progress_bar=false", f"output_dir={run_dir}",
     ]  # fmt: skip
@@ -313,7 +307,7 @@ def test_sbatch_on_real_slurm_requeues_and_resumes(slurm_cluster, tiny_default, 
     submit = [
         "sbatch", "--parsable", "--nodes=1", "--gpus-per-node=1", f"--cpus-per-task={os.cpu_count()}",
         f"--output={log}", "launch/slurm/fsdp.sbatch", "configs/tiny-dflash2.yaml",
-        f"model.target={tiny_default.target_dir}", f"data.train={small_train_jsonl(tiny_default, tmp_path)}",
+        f"model.target={tiny_default.target_dir}", f"data.train={tiny_subset(tiny_default, tmp_path, 64)}",
         "train.max_steps=200", "train.save_every=10", "train.export=false", "train.micro_batch_size=2",
         "train.progress_bar=false", f"output_dir={run_dir}",
     ]  # fmt: skip

@@ -6,47 +6,14 @@ run against an uninterrupted one; a changed contract field refused.
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
 from dflash2.export import check_export
-
-REPO = Path(__file__).resolve().parents[1]
-CONFIG = REPO / "configs" / "tiny-dflash2.yaml"
-TIMEOUT_S = 600  # the first DeepSpeed init on a fresh machine JIT-compiles a comm op
-
-
-def launch(nproc: int, overrides: list[str]) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
-    entry = [str(REPO / "launch" / "train.py"), "--config", str(CONFIG), *overrides]
-    if nproc == 1:
-        command = [sys.executable, *entry]
-    else:
-        command = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            *entry,
-        ]
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
-    return result
-
-
-def check_ok(result: subprocess.CompletedProcess) -> None:
-    assert result.returncode == 0, f"run failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
-
-
-def metrics(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+from tests.run_helpers import check_ok, launch_train, metrics
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +36,7 @@ def common(tiny_default) -> list[str]:
 def one_process_run(common, tmp_path_factory) -> Path:
     """Plain `python launch/train.py`: one process, no MPI, global micro-batch of 4."""
     run_dir = tmp_path_factory.mktemp("one")
-    check_ok(launch(1, [*common, f"output_dir={run_dir}", "backend=fsdp", "train.micro_batch_size=4"]))
+    check_ok(launch_train(1, [*common, f"output_dir={run_dir}", "backend=fsdp", "train.micro_batch_size=4"]))
     return run_dir
 
 
@@ -106,7 +73,9 @@ def test_one_process_run_learns_logs_and_exports(one_process_run):
 def test_two_process_run_shards_target_learns_and_matches_one_process(
     backend, common, one_process_run, tmp_path
 ):
-    result = launch(2, [*common, f"output_dir={tmp_path}", f"backend={backend}", "train.micro_batch_size=2"])
+    result = launch_train(
+        2, [*common, f"output_dir={tmp_path}", f"backend={backend}", "train.micro_batch_size=2"]
+    )
     check_ok(result)
     held = [tuple(map(int, m)) for m in re.findall(r"holds (\d+)/(\d+) target parameters", result.stdout)]
     assert len(held) == 2 and all(0 < local < total for local, total in held), held
@@ -128,10 +97,10 @@ def test_resume_is_exact_and_contract_changes_are_refused(common, tmp_path):
         "train.max_steps=6",
         "train.save_every=3",
     ]
-    check_ok(launch(2, [*args, f"output_dir={full}"]))
-    check_ok(launch(2, [*args, f"output_dir={resumed}", "train.stop_at_step=3"]))
+    check_ok(launch_train(2, [*args, f"output_dir={full}"]))
+    check_ok(launch_train(2, [*args, f"output_dir={resumed}", "train.stop_at_step=3"]))
     assert not (resumed / "export").exists()
-    check_ok(launch(2, [*args, f"output_dir={resumed}"]))
+    check_ok(launch_train(2, [*args, f"output_dir={resumed}"]))
     a, b = metrics(full), metrics(resumed)
     assert [m["step"] for m in b] == [1, 2, 3, 4, 5, 6]
     assert [m["loss"] for m in a] == [m["loss"] for m in b]
@@ -141,6 +110,8 @@ def test_resume_is_exact_and_contract_changes_are_refused(common, tmp_path):
     )
     assert wa.keys() == wb.keys() and all(wa[k].equal(wb[k]) for k in wa)
 
-    refused = launch(1, [*args, f"output_dir={resumed}", "objective.num_anchors=9", "train.max_steps=7"])
+    refused = launch_train(
+        1, [*args, f"output_dir={resumed}", "objective.num_anchors=9", "train.max_steps=7"]
+    )
     assert refused.returncode != 0
     assert re.search(r"num_anchors.*8.*9", refused.stderr + refused.stdout), refused.stderr[-2000:]

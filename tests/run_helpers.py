@@ -1,0 +1,53 @@
+"""Launching the real entry points from tests: commands, environment, checked results, metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_CONFIG = REPO / "configs" / "tiny-dflash2.yaml"
+TRAIN = REPO / "launch" / "train.py"
+# the first DeepSpeed init on a fresh machine JIT-compiles a comm op (35 s to 2 min)
+TIMEOUT_S = 600
+
+
+def torchrun(nproc: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
+def train_command(nproc: int, overrides: list[str], config: Path = TINY_CONFIG) -> list[str]:
+    """`python launch/train.py` for one process, under torchrun for more."""
+    launcher = [sys.executable] if nproc == 1 else torchrun(nproc)
+    return [*launcher, str(TRAIN), "--config", str(config), *overrides]
+
+
+def run(command: list[str], *, extra_env: dict | None = None, timeout: float = TIMEOUT_S):
+    """Run from the repo root, one torch thread per process (several processes share 2 cores)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(extra_env or {})}
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def check_ok(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, f"run failed:\n{result.stdout[-3000:]}\n{result.stderr[-5000:]}"
+    return result
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    """The per-step records the trainer writes to <output_dir>/metrics.jsonl."""
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def tiny_subset(tiny_default, directory: Path, num_lines: int) -> Path:
+    """The first lines of the tiny training set: enough for a few steps, quick to tokenize."""
+    lines = tiny_default.train_jsonl.read_text().splitlines(keepends=True)[:num_lines]
+    path = directory / "train.jsonl"
+    path.write_text("".join(lines))
+    return path
+
+
+def launch_train(nproc: int, overrides: list[str], **kwargs) -> subprocess.CompletedProcess:
+    return run(train_command(nproc, overrides), **kwargs)
