@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -19,6 +20,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from tqdm import tqdm  # noqa: E402
+
 from dflash2.data.tiny_default import build_tiny_default  # noqa: E402
 
 
@@ -26,18 +29,31 @@ def stage(number: int, total: int, title: str) -> None:
     print(f"\n=== [{number}/{total}] {title}", flush=True)
 
 
+STEP_LINE = re.compile(r"^step (\d+)/(\d+) ")
+BAR = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} steps [{elapsed}{postfix}]"
+
+
 def run(command: list[str], log: Path) -> None:
-    """Run a stage's command, streaming its output to the console and to a log file."""
+    """Run a stage's command: its full output goes to a log file; the console gets a progress bar
+    driven by the trainer's `step N/M` lines, plus the run's own [dflash2] messages."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     log.parent.mkdir(parents=True, exist_ok=True)
+    bar = None
     with open(log, "w") as f:
         proc = subprocess.Popen(
             command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
         for line in proc.stdout:
             f.write(line)
-            if line.startswith(("step ", "[dflash2]", "train:", "regenerat")) or "Traceback" in line:
-                print("  " + line.rstrip(), flush=True)
+            if match := STEP_LINE.match(line):
+                step, total = int(match[1]), int(match[2])
+                bar = bar or tqdm(total=total, desc="  train", dynamic_ncols=True, bar_format=BAR)
+                bar.update(step - bar.n)
+                bar.set_postfix_str(line.split("|")[1].strip())  # the loss
+            elif line.startswith(("[dflash2]", "regenerat")) or "Traceback" in line:
+                tqdm.write("  " + line.rstrip())
+        if bar:
+            bar.close()
         if proc.wait() != 0:
             raise SystemExit(f"stage failed ({' '.join(command[:4])} ...); see {log}")
 
@@ -57,6 +73,7 @@ def train(name: str, config: str, data: Path, out: Path, steps: int) -> Path:
             "train.save_every=0",
             "train.resume=none",
             "train.progress_bar=false",
+            "train.log_every=5",
         ],
         out.parent / f"{name}.log",
     )
@@ -128,7 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     hf_logging.disable_progress_bar()
     untrained = export_untrained(out / "untrained" / "export")
     taus = {}
-    for key, draft in [("tau_untrained", untrained), ("tau_dflash", export_v1), ("tau_dflash2", export_v2)]:
+    drafts = [("tau_untrained", untrained), ("tau_dflash", export_v1), ("tau_dflash2", export_v2)]
+    for key, draft in tqdm(drafts, desc="  evaluate", dynamic_ncols=True):
         result = evaluate(
             draft,
             tiny.target_dir,
@@ -142,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
             plot_path=draft.parent / "acceptance.png",
         )
         taus[key] = result["mean_acceptance_length"]
-        print(f"  {key:14s} {taus[key]:.3f}")
+        tqdm.write(f"  {key:14s} {taus[key]:.3f}")
 
     stage(6, total, "serving gate: overfit, export, reload, decode")
     gate_json = out / "serving_gate" / "result.json"
