@@ -33,6 +33,7 @@ def common(tiny_default, tmp_path_factory) -> list[str]:
         f"model.target={tiny_default.target_dir}",
         f"data.train={data}",
         "data.max_length=96",
+        "backend=fsdp",
         "objective.num_anchors=8",
         "train.micro_batch_size=2",  # x 2 trainer ranks: a global micro-batch of 4
         "train.max_steps=4",
@@ -53,18 +54,18 @@ def test_schedule_serves_every_trainer_once_per_micro_batch_and_pads_the_rest():
     assert all(row[t % 3] == t for row in rounds for t in row if t is not None)  # trainer t <- rank t % 3
 
 
-def test_trainerless_layouts_are_refused(common):
+def test_deepspeed_and_trainerless_layouts_are_refused(common):
     cfg = load_run_config(TINY_CONFIG, [*common, "output_dir=x", "topology=disaggregated", "capture_ranks=1"])
+    with pytest.raises(ValueError, match="needs backend=fsdp.*set backend=fsdp"):
+        check_disaggregated(cfg.model_copy(update={"backend": "deepspeed"}))
     with pytest.raises(ValueError, match=r"capture_ranks=1 must be in \[1, 0\] for 1 processes"):
         check_disaggregated(cfg, world_size=1)
 
 
-@pytest.mark.parametrize("backend", ["fsdp", "deepspeed"])
 def test_disaggregated_matches_colocated_across_a_resume_and_trainers_hold_no_target(
-    common, tiny_default, tmp_path, backend
+    common, tiny_default, tmp_path
 ):
     colocated, split = tmp_path / "colocated", tmp_path / "disaggregated"
-    common = [*common, f"backend={backend}"]
     check_ok(launch_train(2, [*common, f"output_dir={colocated}", "train.export=false"]))
     disaggregated = [*common, f"output_dir={split}", "topology=disaggregated", "capture_ranks=1"]
     first = launch_train(3, [*disaggregated, "train.save_every=2", "train.stop_at_step=2"])
@@ -96,7 +97,6 @@ def test_a_crashed_trainer_stops_the_whole_job(common, tmp_path):
         [
             *common,
             f"output_dir={tmp_path}",
-            "backend=fsdp",
             "topology=disaggregated",
             "capture_ranks=1",
             "train.export=false",
