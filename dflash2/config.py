@@ -11,6 +11,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
+def torch_dtype(precision: str):
+    """The torch dtype of a precision name of this config ("fp32" | "bf16")."""
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -71,6 +78,10 @@ class RunConfig(_Section):
     data: DataConfig
     objective: ObjectiveSection = Field(default_factory=ObjectiveSection)
     train: TrainConfig = Field(default_factory=TrainConfig)
+
+    @property
+    def target_torch_dtype(self):
+        return torch_dtype(self.model.target_dtype or self.precision)
 
     @model_validator(mode="after")
     def _check_topology(self) -> RunConfig:

@@ -23,7 +23,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from dflash2.config import torch_dtype
 from dflash2.models.config import (
+    REQUIRED_BACKBONE_KEYS,
     draft_value,
     expected_tensor_shapes,
     load_config_dict,
@@ -39,24 +41,17 @@ WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 CHECKPOINT_CONFIG_NAME = "draft_config.json"
 CHECKPOINT_WEIGHTS_NAME = "draft.safetensors"
 
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
 # safetensors header dtype codes -> the names config.json uses.
 SAFETENSORS_DTYPES = {"BF16": "bfloat16", "F32": "float32", "F16": "float16"}
 
 # Backbone fields written explicitly, so no loader falls back to a default of its own.
 EXPORT_BACKBONE_KEYS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "num_key_value_heads",
-    "head_dim",
+    *REQUIRED_BACKBONE_KEYS,
     "hidden_act",
     "rms_norm_eps",
     "attention_bias",
     "max_position_embeddings",
-    "vocab_size",
     "tie_word_embeddings",
     "layer_types",
 )
@@ -315,7 +310,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("source", nargs="?", help="training checkpoint dir or model dir to export")
     parser.add_argument("out_dir", nargs="?", help="export directory to write")
     parser.add_argument("--check", metavar="DIR", help="validate an export directory and exit")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument("--tokenizer", metavar="DIR", help="tokenizer dir, to check the mask token")
     parser.add_argument("--target", metavar="DIR", help="target model dir (config.json), to check sizes")
     args = parser.parse_args(argv)
@@ -343,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                 state,
                 args.out_dir,
                 config=cfg,
-                dtype=DTYPES[args.dtype],
+                dtype=torch_dtype(args.dtype),
                 tokenizer=tokenizer,
                 target_config=target_config,
             )

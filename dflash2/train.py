@@ -17,17 +17,15 @@ from torch import nn
 
 from dflash2.capture import extract_features
 from dflash2.checkpoint import find_latest, load_checkpoint, save_checkpoint
-from dflash2.config import RunConfig, save_run_config
-from dflash2.data.loader import collate, epoch_order, rank_batches
-from dflash2.dist import Backend, OptimConfig, build_backend, init_distributed
+from dflash2.config import RunConfig, save_run_config, torch_dtype
+from dflash2.data.loader import collate, epoch_order, pad_token_id_of, rank_batches
+from dflash2.dist import Backend, OptimConfig, build_backend, init_distributed, shutdown_distributed
 from dflash2.dist.base import local_parameter_numel
 from dflash2.identity import data_identity, target_identity, tokenizer_identity
 from dflash2.models import TargetHead, build_draft
 from dflash2.models.config import draft_value, load_config_dict
 from dflash2.objective import ObjectiveConfig, compute_objective, plan_blocks, summarize_metrics
 from dflash2.train_log import TrainLogger
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass
@@ -141,8 +139,8 @@ def build_optim_config(cfg: RunConfig) -> OptimConfig:
 def build_target(cfg: RunConfig, backend: Backend, load_full: bool) -> tuple[nn.Module | None, TargetHead]:
     """The sharded frozen target and its head. When features come from elsewhere (disk, capture ranks)
     only the embedding and LM head are read from the target's safetensors: the target is never loaded."""
-    dtype = DTYPES[cfg.precision]
-    target_dtype = DTYPES[cfg.model.target_dtype or cfg.precision]
+    dtype = torch_dtype(cfg.precision)
+    target_dtype = cfg.target_torch_dtype
     if not load_full:
         from dflash2.capture.head import load_target_head, target_num_parameters
 
@@ -176,7 +174,7 @@ def build_setup(cfg: RunConfig, backend: Backend, features: object | None = None
     dataset = build_dataset(cfg, tokenizer, backend.is_main)
     normalized = draft.config.to_dict()
     model = backend.setup_draft(draft, build_optim_config(cfg), cfg.precision)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad_id = pad_token_id_of(tokenizer)
     return Setup(
         backend=backend,
         target=target,
@@ -344,7 +342,9 @@ def run(cfg: RunConfig) -> dict[str, float]:
     if cfg.topology == "disaggregated":
         from dflash2.capture.disaggregated import run_disaggregated
 
-        return run_disaggregated(cfg)
+        summary = run_disaggregated(cfg)
+        shutdown_distributed()
+        return summary
     init_distributed(cfg.backend)
     backend = build_backend(
         cfg.backend,
@@ -354,4 +354,6 @@ def run(cfg: RunConfig) -> dict[str, float]:
     )
     if backend.is_main:
         save_run_config(cfg, Path(cfg.output_dir) / "config.yaml")
-    return fit(cfg, build_setup(cfg, backend))
+    summary = fit(cfg, build_setup(cfg, backend))
+    shutdown_distributed()
+    return summary

@@ -51,3 +51,14 @@ def tiny_subset(tiny_default, directory: Path, num_lines: int) -> Path:
 
 def launch_train(nproc: int, overrides: list[str], **kwargs) -> subprocess.CompletedProcess:
     return run(train_command(nproc, overrides), **kwargs)
+
+
+def run_script_main(monkeypatch, script: str, arguments: list[str]) -> None:
+    """Run data_prep/<script>'s main() in this process with `arguments` as its argv."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(Path(script).stem + "_cli", REPO / script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setattr(sys, "argv", [Path(script).name, *arguments])
+    module.main()

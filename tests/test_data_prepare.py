@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
 from dflash2.data.prepare import load_prepared, prepare_dataset
+from tests.run_helpers import run_script_main
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 USER = {"role": "user", "content": "Count from 3 to 9."}
 REPLY = {"role": "assistant", "content": "Counting from 3 to 9: 3, 4, 5, 6, 7, 8, 9. That makes 7 numbers."}
 VALID = {"id": "ok", "conversations": [USER, REPLY]}
@@ -171,20 +169,12 @@ def test_truncation_and_untrainable_samples_are_counted(tiny_tokenizer, tmp_path
     assert summary["num_kept"] == 1 and dataset[0]["loss_mask"] == full_mask[: first_reply_token + 2]
 
 
-def _run_prepare_cli(monkeypatch, arguments: list[str]) -> None:
-    spec = importlib.util.spec_from_file_location("prepare_cli", REPO_ROOT / "data_prep" / "prepare.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    monkeypatch.setattr(sys, "argv", ["prepare.py", *arguments])
-    module.main()
-
-
 def test_prepare_cli_writes_loadable_dataset_and_summary(tiny_default, tmp_path, monkeypatch):
     path = _write_jsonl(tmp_path / "in.jsonl", [VALID, "{oops"])
     out = tmp_path / "prepared"
     arguments = ["--input", str(path), "--tokenizer", str(tiny_default.target_dir), "--out", str(out)]
     arguments += ["--max-length", "128", "--chat-template-kwargs", '{"enable_thinking": false}']
-    _run_prepare_cli(monkeypatch, arguments)
+    run_script_main(monkeypatch, "data_prep/prepare.py", arguments)
     dataset = load_prepared(out)
     assert dataset["id"] == ["ok"] and sum(dataset[0]["loss_mask"]) > 2
     summary = json.loads((out / "summary.json").read_text())
@@ -192,7 +182,11 @@ def test_prepare_cli_writes_loadable_dataset_and_summary(tiny_default, tmp_path,
     assert summary["chat_template_kwargs"] == {"enable_thinking": False}
 
     with pytest.raises(ValueError, match="in.jsonl:2: invalid JSON"):
-        _run_prepare_cli(monkeypatch, arguments + ["--out", str(tmp_path / "again"), "--on-error", "fail"])
+        run_script_main(
+            monkeypatch,
+            "data_prep/prepare.py",
+            arguments + ["--out", str(tmp_path / "again"), "--on-error", "fail"],
+        )
 
 
 def test_load_prepared_rejects_other_directories(tmp_path):

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -13,8 +11,7 @@ import pytest
 import torch
 
 from dflash2.data.regenerate import LocalTargetGenerator, regenerate_file
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from tests.run_helpers import run_script_main
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> Path:
@@ -100,14 +97,6 @@ def chat_server():
     server.server_close()
 
 
-def _run_regenerate_cli(monkeypatch, arguments: list[str]) -> None:
-    spec = importlib.util.spec_from_file_location("regenerate_cli", REPO_ROOT / "data_prep" / "regenerate.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    monkeypatch.setattr(sys, "argv", ["regenerate.py", *arguments])
-    module.main()
-
-
 def test_server_regeneration_writes_replies_turn_by_turn(chat_server, tmp_path, monkeypatch):
     url, requests = chat_server
     user = lambda text: {"role": "user", "content": text}  # noqa: E731
@@ -119,7 +108,11 @@ def test_server_regeneration_writes_replies_turn_by_turn(chat_server, tmp_path, 
     output = tmp_path / "out.jsonl"
     arguments = ["--input", str(_write_jsonl(tmp_path / "in.jsonl", rows)), "--out", str(output)]
     arguments += ["--server-url", url, "--model", "tiny", "--max-new-tokens", "32", "--batch-size", "2"]
-    _run_regenerate_cli(monkeypatch, [*arguments, "--chat-template-kwargs", '{"enable_thinking": false}'])
+    run_script_main(
+        monkeypatch,
+        "data_prep/regenerate.py",
+        [*arguments, "--chat-template-kwargs", '{"enable_thinking": false}'],
+    )
 
     assert _read_jsonl(output) == [
         {"id": "a", "conversations": [rows[0]["conversations"][0], user("hi"), _assistant("Reply 1 to: hi")]},

@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from dflash2.capture.features import extract_features
 from dflash2.config import RunConfig, save_run_config
-from dflash2.data.loader import collate
+from dflash2.data.loader import collate, pad_token_id_of
 from dflash2.dist import build_backend, init_distributed
 from dflash2.dist.base import local_parameter_numel
 
@@ -200,23 +200,16 @@ def run_capture_rank(
     from transformers import AutoConfig, AutoTokenizer
 
     from dflash2.capture.offline import draft_layer_ids
-    from dflash2.train import DTYPES, build_dataset, micro_batches
+    from dflash2.train import build_dataset, micro_batches
 
     num_capture, num_trainers = cfg.capture_ranks, dist.get_world_size() - cfg.capture_ranks
     train = cfg.train
-    backend = build_backend(
-        cfg.backend,
-        None,
-        train.micro_batch_size,
-        train.grad_accum_steps,
-        target_group=capture_group,
-        draft_group=capture_group,
-    )
+    backend = _group_backend(cfg, capture_group)
     layer_ids = draft_layer_ids(cfg, AutoConfig.from_pretrained(cfg.model.target))
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.target)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad_id = pad_token_id_of(tokenizer)
     dataset = build_dataset(cfg, tokenizer, is_main=False)
-    target = backend.load_target(cfg.model.target, DTYPES[cfg.model.target_dtype or cfg.precision])
+    target = backend.load_target(cfg.model.target, cfg.target_torch_dtype)
     local, total = local_parameter_numel(target)
     print(f"[dflash2] capture rank {backend.rank}: holds {local}/{total} target parameters", flush=True)
 
@@ -245,14 +238,7 @@ def run_trainer_rank(
     from dflash2.train import build_setup, fit
 
     train = cfg.train
-    backend = build_backend(
-        cfg.backend,
-        None,
-        train.micro_batch_size,
-        train.grad_accum_steps,
-        target_group=trainer_group,
-        draft_group=trainer_group,
-    )
+    backend = _group_backend(cfg, trainer_group)
     if backend.is_main:
         save_run_config(cfg, Path(cfg.output_dir) / "config.yaml")
     source = backend.rank % cfg.capture_ranks  # trainer t is served by capture rank t % N
@@ -262,6 +248,19 @@ def run_trainer_rank(
     summary = fit(cfg, build_setup(cfg, backend, features=receiver))
     receiver.thread.join()  # it ends on the capture rank's end marker
     return summary
+
+
+def _group_backend(cfg: RunConfig, group: dist.ProcessGroup):
+    """A backend whose target and draft are both sharded over one role's group (capture or trainers)."""
+    train = cfg.train
+    return build_backend(
+        cfg.backend,
+        None,
+        train.micro_batch_size,
+        train.grad_accum_steps,
+        target_group=group,
+        draft_group=group,
+    )
 
 
 def run_disaggregated(cfg: RunConfig) -> dict[str, float]:

@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from dflash2.capture.features import extract_features
 from dflash2.config import RunConfig
-from dflash2.data.loader import collate
+from dflash2.data.loader import collate, pad_token_id_of
 from dflash2.dist import Backend
 from dflash2.identity import data_identity, target_identity, tokenizer_identity
 
@@ -146,7 +146,7 @@ def run_capture(cfg: RunConfig, out_dir: str | Path, *, batch_size: int, shard_b
     from transformers import AutoConfig, AutoTokenizer
 
     from dflash2.dist import build_backend
-    from dflash2.train import DTYPES, build_dataset
+    from dflash2.train import build_dataset
 
     target_config = AutoConfig.from_pretrained(cfg.model.target)
     layer_ids = draft_layer_ids(cfg, target_config)
@@ -163,9 +163,9 @@ def run_capture(cfg: RunConfig, out_dir: str | Path, *, batch_size: int, shard_b
     backend.barrier()
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.target)
     dataset = build_dataset(cfg, tokenizer, backend.is_main)
-    dtype = DTYPES[cfg.model.target_dtype or cfg.precision]
+    dtype = cfg.target_torch_dtype
     target = backend.load_target(cfg.model.target, dtype)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    pad_id = pad_token_id_of(tokenizer)
     sample_shard = capture_dataset(
         backend,
         target,

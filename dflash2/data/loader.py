@@ -16,6 +16,11 @@ import numpy as np
 import torch
 
 
+def pad_token_id_of(tokenizer) -> int:
+    """The tokenizer's pad id; 0 when it has none (padding positions are masked out anyway)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+
 def collate(samples: Sequence[dict], pad_token_id: int) -> dict[str, torch.Tensor]:
     """Right-pad samples with `input_ids` and `loss_mask` lists into [b, S] long tensors.
 
