@@ -76,6 +76,15 @@ def init_distributed(backend_name: BackendName) -> tuple[int, int, int]:
     return dist.get_rank(), dist.get_world_size(), local_rank
 
 
+def shutdown_distributed() -> None:
+    """End a finished run cleanly: every rank waits for the others, then the process group is torn
+    down before interpreter exit (left to exit handlers, a communication thread can abort the process
+    after the run has already succeeded)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def resolve_ds_config(
     ds_config: dict[str, Any], *, micro_batch_size: int, grad_accum_steps: int, dp_world_size: int
 ) -> dict[str, Any]:
