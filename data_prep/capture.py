@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from dflash2.capture.offline import run_capture  # noqa: E402
 from dflash2.config import load_run_config  # noqa: E402
-from dflash2.dist import init_distributed  # noqa: E402
+from dflash2.distributed import init_distributed  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

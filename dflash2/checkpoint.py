@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash2.dist.base import Backend
+from dflash2.distributed.base import Backend
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"

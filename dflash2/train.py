@@ -19,8 +19,8 @@ from dflash2.capture import extract_features
 from dflash2.checkpoint import find_latest, load_checkpoint, save_checkpoint
 from dflash2.config import RunConfig, save_run_config, torch_dtype
 from dflash2.data.loader import collate, epoch_order, pad_token_id_of, rank_batches
-from dflash2.dist import Backend, OptimConfig, build_backend, init_distributed, shutdown_distributed
-from dflash2.dist.base import local_parameter_numel
+from dflash2.distributed import Backend, OptimConfig, build_backend, init_distributed, shutdown_distributed
+from dflash2.distributed.base import local_parameter_numel
 from dflash2.identity import data_identity, target_identity, tokenizer_identity
 from dflash2.models import TargetHead, build_draft
 from dflash2.models.config import draft_value, load_config_dict

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from dflash2.checkpoint import find_latest, load_checkpoint, save_checkpoint, validate_contract
-from dflash2.dist import state_io
+from dflash2.distributed import state_io
 
 CONTRACT = {"architecture": "DFlash2DraftModel", "block_size": 16, "target_layer_ids": [1, 3], "gamma": None}
 

@@ -14,7 +14,8 @@ import torch
 from safetensors.torch import load_file
 
 from dflash2.checkpoint import find_latest
-from dflash2.dist.env import _fill_launch_env, build_backend, resolve_ds_config
+from dflash2.distributed.ds_config import resolve_ds_config
+from dflash2.distributed.env import _fill_launch_env, build_backend
 from tests.dist_scripts.tiny import StandInDraft, micro_batch, save_tiny_target, weighted_loss_sum
 from tests.dist_scripts.train_tiny import MICRO_BATCH_SIZE, target_inputs
 

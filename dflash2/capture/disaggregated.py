@@ -32,8 +32,8 @@ import torch.distributed as dist
 from dflash2.capture.features import extract_features
 from dflash2.config import RunConfig, save_run_config
 from dflash2.data.loader import collate, pad_token_id_of
-from dflash2.dist import build_backend, init_distributed
-from dflash2.dist.base import local_parameter_numel
+from dflash2.distributed import build_backend, init_distributed
+from dflash2.distributed.base import local_parameter_numel
 
 PREFETCH_DEPTH = 2
 TIMEOUT_ENV = "DFLASH2_DIST_TIMEOUT_S"

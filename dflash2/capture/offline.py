@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from dflash2.capture.features import extract_features
 from dflash2.config import RunConfig
 from dflash2.data.loader import collate, pad_token_id_of
-from dflash2.dist import Backend
+from dflash2.distributed import Backend
 from dflash2.identity import data_identity, target_identity, tokenizer_identity
 
 MANIFEST = "manifest.json"
@@ -145,7 +145,7 @@ def run_capture(cfg: RunConfig, out_dir: str | Path, *, batch_size: int, shard_b
     """The whole offline capture on every rank of an initialised process group (data_prep/capture.py)."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from dflash2.dist import build_backend
+    from dflash2.distributed import build_backend
     from dflash2.train import build_dataset
 
     target_config = AutoConfig.from_pretrained(cfg.model.target)

@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from dflash2 import checkpoint  # noqa: E402
 from dflash2.checkpoint import find_latest, load_checkpoint  # noqa: E402
-from dflash2.dist import OptimConfig, build_backend, init_distributed  # noqa: E402
+from dflash2.distributed import OptimConfig, build_backend, init_distributed  # noqa: E402
 from tests.dist_scripts.tiny import StandInDraft, micro_batch, weighted_loss_sum  # noqa: E402
 
 MICRO_BATCH_SIZE = 3

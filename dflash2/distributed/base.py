@@ -99,7 +99,7 @@ class Backend(ABC):
         draft_group: dist.ProcessGroup | None = None,
     ) -> None:
         if not dist.is_initialized():
-            raise RuntimeError("call dflash2.dist.init_distributed() before building a backend")
+            raise RuntimeError("call dflash2.distributed.init_distributed() before building a backend")
         if micro_batch_size < 1 or grad_accum_steps < 1:
             raise ValueError(
                 f"micro_batch_size ({micro_batch_size}) and grad_accum_steps ({grad_accum_steps}) must be >= 1"

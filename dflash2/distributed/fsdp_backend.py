@@ -13,8 +13,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
-from dflash2.dist import state_io
-from dflash2.dist.base import Backend, OptimConfig, build_optimizer, sharded_block_types
+from dflash2.distributed import state_io
+from dflash2.distributed.base import Backend, OptimConfig, build_optimizer, sharded_block_types
 from dflash2.models.target_head import TargetHead
 
 

@@ -7,12 +7,13 @@ import os
 import socket
 import sys
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 import torch.distributed as dist
 
-from dflash2.dist.base import Backend
+from dflash2.distributed.base import Backend
+from dflash2.distributed.ds_config import resolve_ds_config
 
 BackendName = Literal["deepspeed", "fsdp"]
 BACKEND_NAMES = ("deepspeed", "fsdp")
@@ -85,46 +86,6 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def resolve_ds_config(
-    ds_config: dict[str, Any], *, micro_batch_size: int, grad_accum_steps: int, dp_world_size: int
-) -> dict[str, Any]:
-    """Write the run's batch sizes into a DeepSpeed JSON that holds only ZeRO / precision knobs.
-
-    A value already in the JSON must be "auto" or agree with the run config.
-    """
-    config = json.loads(json.dumps(ds_config))
-    for section in ("optimizer", "scheduler"):
-        if section in config:
-            raise ValueError(
-                f"DeepSpeed config sets '{section}'; remove it: the optimizer and LR schedule come from the run config"
-            )
-    if config.get("fp16", {}).get("enabled") not in (None, False, "auto"):
-        raise ValueError("DeepSpeed config enables fp16; use precision 'bf16' in the run config instead")
-    sizes = {
-        "train_micro_batch_size_per_gpu": micro_batch_size,
-        "gradient_accumulation_steps": grad_accum_steps,
-        "train_batch_size": micro_batch_size * grad_accum_steps * dp_world_size,
-    }
-    for key, value in sizes.items():
-        set_ds_value(config, key, value, source="the run config")
-    return config
-
-
-def set_ds_value(config: dict[str, Any], key: str, value: Any, *, source: str) -> None:
-    """Set `key` (dotted for nested sections) unless the JSON already holds a different concrete value."""
-    *parents, leaf = key.split(".")
-    node = config
-    for part in parents:
-        node = node.setdefault(part, {})
-    current = node.get(leaf, "auto")
-    if current != "auto" and current != value:
-        raise ValueError(
-            f"DeepSpeed config sets {key}={current!r} but {source} gives {value!r}; "
-            f'remove it from the DeepSpeed JSON (or set it to "auto")'
-        )
-    node[leaf] = value
-
-
 def build_backend(
     name: BackendName,
     ds_config_path: str | None,
@@ -138,7 +99,8 @@ def build_backend(
     if name == "deepspeed":
         if ds_config_path is None:
             raise ValueError("backend 'deepspeed' needs a ds_config path (e.g. ds_configs/zero3.json)")
-        from dflash2.dist.deepspeed_backend import DeepSpeedBackend
+        # each backend module is imported only when chosen: deepspeed is heavy and fsdp runs never need it
+        from dflash2.distributed.deepspeed_backend import DeepSpeedBackend
 
         ds_config = json.loads(Path(ds_config_path).read_text())
         dp_world_size = dist.get_world_size(draft_group)
@@ -160,7 +122,7 @@ def build_backend(
             raise ValueError(
                 f"ds_config {ds_config_path!r} is only used by backend 'deepspeed'; unset it for 'fsdp'"
             )
-        from dflash2.dist.fsdp_backend import FSDPBackend
+        from dflash2.distributed.fsdp_backend import FSDPBackend
 
         return FSDPBackend(
             micro_batch_size=micro_batch_size,

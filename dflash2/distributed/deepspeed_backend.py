@@ -13,9 +13,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
 
-from dflash2.dist import state_io
-from dflash2.dist.base import Backend, OptimConfig, build_optimizer
-from dflash2.dist.env import set_ds_value
+from dflash2.distributed import state_io
+from dflash2.distributed.base import Backend, OptimConfig, build_optimizer
+from dflash2.distributed.ds_config import set_ds_value
 from dflash2.models.target_head import TargetHead
 
 
