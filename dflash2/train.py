@@ -7,18 +7,17 @@ Entry point: `launch/train.py --config <yaml> [key=value ...]`.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import torch
 from torch import nn
 
 from dflash2.capture import extract_features
 from dflash2.checkpoint import find_latest, load_checkpoint, save_checkpoint
 from dflash2.config import RunConfig, save_run_config, torch_dtype
-from dflash2.data.loader import collate, epoch_order, pad_token_id_of, rank_batches
+from dflash2.data.loader import anchor_generators, collate, micro_batches, pad_token_id_of
+from dflash2.data.prepare import build_dataset
 from dflash2.distributed import Backend, OptimConfig, build_backend, init_distributed, shutdown_distributed
 from dflash2.distributed.base import local_parameter_numel
 from dflash2.identity import data_identity, target_identity, tokenizer_identity
@@ -52,30 +51,6 @@ class Setup:
 
 
 # ------------------------------------------------------------------ build
-
-
-def build_dataset(cfg: RunConfig, tokenizer, is_main: bool):
-    """A prepared dataset directory is loaded as is; a training_jsonl file is prepared on the fly."""
-    from dflash2.data.prepare import load_prepared, prepare_dataset
-
-    source = Path(cfg.data.train)
-    if source.is_dir():
-        return load_prepared(source)
-    dataset, summary = prepare_dataset(
-        source,
-        tokenizer,
-        cfg.data.max_length,
-        on_error=cfg.data.on_error,
-        chat_template_kwargs=cfg.data.chat_template_kwargs,
-    )
-    if is_main:
-        dropped = summary["num_dropped"]
-        reasons = ", ".join(f"{k}: {v}" for k, v in summary["dropped_by_reason"].items()) or "none"
-        print(
-            f"[dflash2] data {source}: kept {summary['num_kept']}, dropped {dropped} ({reasons}), "
-            f"{summary['num_tokens']} tokens, {summary['num_supervised_tokens']} supervised"
-        )
-    return dataset
 
 
 def build_objective_config(cfg: RunConfig, draft_config: dict) -> ObjectiveConfig:
@@ -171,7 +146,7 @@ def build_setup(cfg: RunConfig, backend: Backend, features: object | None = None
 
         features = OfflineFeatures(cfg.data.features_dir, feature_identity(cfg, layer_ids))
     target, head = build_target(cfg, backend, load_full=features is None)
-    dataset = build_dataset(cfg, tokenizer, backend.is_main)
+    dataset = build_dataset(cfg.data, tokenizer, backend.is_main)
     normalized = draft.config.to_dict()
     model = backend.setup_draft(draft, build_optim_config(cfg), cfg.precision)
     pad_id = pad_token_id_of(tokenizer)
@@ -189,36 +164,6 @@ def build_setup(cfg: RunConfig, backend: Backend, features: object | None = None
         tokenizer=tokenizer,
         features=features,
     )
-
-
-# ------------------------------------------------------------------ data order
-
-
-def micro_batches(
-    num_samples: int, cfg: RunConfig, rank: int, num_ranks: int, state: TrainState
-) -> Iterator[tuple[int, int, list[int]]]:
-    """Data-parallel rank `rank`'s micro-batches in the deterministic order, from the saved data
-    position on. Yields (epoch, position after this batch, sample indices)."""
-    per_global = cfg.train.micro_batch_size * num_ranks
-    if num_samples < per_global:
-        raise ValueError(
-            f"the dataset has {num_samples} samples, fewer than one global micro-batch "
-            f"(micro_batch_size {cfg.train.micro_batch_size} x {num_ranks} ranks)"
-        )
-    epoch, start = state.epoch, state.batch_in_epoch
-    while True:
-        order = epoch_order(num_samples, cfg.seed, epoch)
-        batches = rank_batches(order, cfg.train.micro_batch_size, rank, num_ranks, start_batch=start)
-        for position, indices in enumerate(batches, start=start + 1):
-            yield epoch, position, indices
-        epoch, start = epoch + 1, 0
-
-
-def anchor_generators(seed: int, epoch: int, indices: list[int]) -> list[torch.Generator]:
-    """One generator per sample, from (seed, epoch, sample index): a sample's anchors do not depend
-    on the number of ranks or on resuming, so runs of any layout see the same blocks."""
-    states = [np.random.SeedSequence([seed, epoch, i]).generate_state(1)[0] for i in indices]
-    return [torch.Generator().manual_seed(int(s)) for s in states]
 
 
 # ------------------------------------------------------------------ step
@@ -299,7 +244,15 @@ def fit(cfg: RunConfig, setup: Setup) -> dict[str, float]:
         if backend.is_main:
             print(f"[dflash2] resumed from {ckpt} at step {state.step}")
     logger = TrainLogger(run_dir, cfg, start_step=state.step, enabled=backend.is_main)
-    stream = micro_batches(len(setup.dataset), cfg, backend.rank, backend.draft_world_size, state)
+    stream = micro_batches(
+        len(setup.dataset),
+        cfg.train.micro_batch_size,
+        cfg.seed,
+        backend.rank,
+        backend.draft_world_size,
+        epoch=state.epoch,
+        start_batch=state.batch_in_epoch,
+    )
     summary: dict[str, float] = {}
     last_step = min(cfg.train.max_steps, cfg.train.stop_at_step or cfg.train.max_steps)
     while state.step < last_step:

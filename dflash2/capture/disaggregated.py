@@ -200,7 +200,8 @@ def run_capture_rank(
     from transformers import AutoConfig, AutoTokenizer
 
     from dflash2.capture.offline import draft_layer_ids
-    from dflash2.train import build_dataset, micro_batches
+    from dflash2.data.loader import micro_batches
+    from dflash2.data.prepare import build_dataset
 
     num_capture, num_trainers = cfg.capture_ranks, dist.get_world_size() - cfg.capture_ranks
     train = cfg.train
@@ -208,7 +209,7 @@ def run_capture_rank(
     layer_ids = draft_layer_ids(cfg, AutoConfig.from_pretrained(cfg.model.target))
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.target)
     pad_id = pad_token_id_of(tokenizer)
-    dataset = build_dataset(cfg, tokenizer, is_main=False)
+    dataset = build_dataset(cfg.data, tokenizer, is_main=False)
     target = backend.load_target(cfg.model.target, cfg.target_torch_dtype)
     local, total = local_parameter_numel(target)
     print(f"[dflash2] capture rank {backend.rank}: holds {local}/{total} target parameters", flush=True)
@@ -216,7 +217,18 @@ def run_capture_rank(
     state = _resume_state(cfg)
     rounds = capture_schedule(num_capture, num_trainers)
     mine = [t for row in rounds if (t := row[backend.rank]) is not None]
-    streams = {t: micro_batches(len(dataset), cfg, t, num_trainers, state) for t in mine}
+    streams = {
+        t: micro_batches(
+            len(dataset),
+            train.micro_batch_size,
+            cfg.seed,
+            t,
+            num_trainers,
+            epoch=state.epoch,
+            start_batch=state.batch_in_epoch,
+        )
+        for t in mine
+    }
     sender = FeatureSender(
         transfer_group, HEADER_FIELDS + train.micro_batch_size, backend.device, PREFETCH_DEPTH
     )

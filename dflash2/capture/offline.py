@@ -145,8 +145,8 @@ def run_capture(cfg: RunConfig, out_dir: str | Path, *, batch_size: int, shard_b
     """The whole offline capture on every rank of an initialised process group (data_prep/capture.py)."""
     from transformers import AutoConfig, AutoTokenizer
 
+    from dflash2.data.prepare import build_dataset
     from dflash2.distributed import build_backend
-    from dflash2.train import build_dataset
 
     target_config = AutoConfig.from_pretrained(cfg.model.target)
     layer_ids = draft_layer_ids(cfg, target_config)
@@ -162,7 +162,7 @@ def run_capture(cfg: RunConfig, out_dir: str | Path, *, batch_size: int, shard_b
         (out_dir / MANIFEST).unlink(missing_ok=True)  # the old one would describe shards about to change
     backend.barrier()
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.target)
-    dataset = build_dataset(cfg, tokenizer, backend.is_main)
+    dataset = build_dataset(cfg.data, tokenizer, backend.is_main)
     dtype = cfg.target_torch_dtype
     target = backend.load_target(cfg.model.target, dtype)
     pad_id = pad_token_id_of(tokenizer)

@@ -76,3 +76,37 @@ def rank_batches(
     for batch in range(start_batch, num_batches):
         first = batch * global_size + rank * batch_size
         yield list(order[first : first + batch_size])
+
+
+def micro_batches(
+    num_samples: int,
+    batch_size: int,
+    seed: int,
+    rank: int,
+    num_ranks: int,
+    *,
+    epoch: int = 0,
+    start_batch: int = 0,
+) -> Iterator[tuple[int, int, list[int]]]:
+    """Data-parallel rank `rank`'s micro-batches in the deterministic order, endlessly, from global
+    batch `start_batch` of `epoch` on (a checkpoint's data position). Yields (epoch, position after
+    this batch, sample indices)."""
+    per_global = batch_size * num_ranks
+    if num_samples < per_global:
+        raise ValueError(
+            f"the dataset has {num_samples} samples, fewer than one global micro-batch "
+            f"(micro_batch_size {batch_size} x {num_ranks} ranks)"
+        )
+    while True:
+        order = epoch_order(num_samples, seed, epoch)
+        batches = rank_batches(order, batch_size, rank, num_ranks, start_batch=start_batch)
+        for position, indices in enumerate(batches, start=start_batch + 1):
+            yield epoch, position, indices
+        epoch, start_batch = epoch + 1, 0
+
+
+def anchor_generators(seed: int, epoch: int, indices: list[int]) -> list[torch.Generator]:
+    """One generator per sample, from (seed, epoch, sample index): a sample's anchors do not depend
+    on the number of ranks or on resuming, so runs of any layout see the same blocks."""
+    states = [np.random.SeedSequence([seed, epoch, i]).generate_state(1)[0] for i in indices]
+    return [torch.Generator().manual_seed(int(s)) for s in states]

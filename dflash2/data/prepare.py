@@ -17,6 +17,7 @@ from typing import Any
 
 import datasets
 
+from dflash2.config import DataConfig
 from dflash2.data.jsonl import SampleError, iter_lines, parse_sample
 from dflash2.data.render import has_trainable_block, render_with_loss_mask
 
@@ -131,3 +132,26 @@ def _sha256(path: str | Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def build_dataset(data: DataConfig, tokenizer: Any, is_main: bool) -> datasets.Dataset:
+    """The run's dataset: a prepared dataset directory is loaded as is; a training_jsonl file is
+    prepared on the fly (rank 0 prints what was kept and dropped)."""
+    source = Path(data.train)
+    if source.is_dir():
+        return load_prepared(source)
+    dataset, summary = prepare_dataset(
+        source,
+        tokenizer,
+        data.max_length,
+        on_error=data.on_error,
+        chat_template_kwargs=data.chat_template_kwargs,
+    )
+    if is_main:
+        dropped = summary["num_dropped"]
+        reasons = ", ".join(f"{k}: {v}" for k, v in summary["dropped_by_reason"].items()) or "none"
+        print(
+            f"[dflash2] data {source}: kept {summary['num_kept']}, dropped {dropped} ({reasons}), "
+            f"{summary['num_tokens']} tokens, {summary['num_supervised_tokens']} supervised"
+        )
+    return dataset
