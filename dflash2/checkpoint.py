@@ -1,4 +1,5 @@
-"""Atomic checkpoints, the `latest` pointer, rotation, and resume with the contract check.
+"""Atomic checkpoints, the `latest` pointer, rotation, resume with the contract check, and the train
+state. This module alone knows the layout of a checkpoint directory; everything else asks it.
 
 Layout of `run_dir/checkpoints/step_XXXXXXXX/`:
   draft_config.json, draft.safetensors (full fp32 draft weights, what export reads), contract.json,
@@ -15,6 +16,7 @@ import json
 import os
 import random
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +25,26 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash2.distributed.base import Backend
+from dflash2.models.config import load_config_dict
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 COMPLETE = "COMPLETE"
 STEP_PREFIX = "step_"
 TMP_PREFIX = ".tmp-"
+DRAFT_WEIGHTS = "draft.safetensors"
+DRAFT_CONFIG = "draft_config.json"
+CONTRACT = "contract.json"
+TRAIN_STATE = "train_state.json"
+
+
+@dataclass
+class TrainState:
+    """Where the loop stands; saved as train_state.json in every checkpoint."""
+
+    step: int = 0  # optimizer steps done
+    epoch: int = 0
+    batch_in_epoch: int = 0  # next global micro-batch of the epoch
 
 
 def step_dir_name(step: int) -> str:
@@ -154,10 +170,10 @@ def save_checkpoint(
 
     draft_state = backend.full_draft_state_dict()
     if backend.is_main:
-        save_file({name: t.contiguous() for name, t in draft_state.items()}, str(tmp / "draft.safetensors"))
-        _write_json(tmp / "draft_config.json", draft_config)
-        _write_json(tmp / "contract.json", contract)
-        _write_json(tmp / "train_state.json", {**train_state, "step": step})
+        save_file({name: t.contiguous() for name, t in draft_state.items()}, str(tmp / DRAFT_WEIGHTS))
+        _write_json(tmp / DRAFT_CONFIG, draft_config)
+        _write_json(tmp / CONTRACT, contract)
+        _write_json(tmp / TRAIN_STATE, {**train_state, "step": step})
     _save_rng(tmp / f"rng_rank{backend.rank:05d}", generators or {})
     backend.save_state(tmp / "backend")
     backend.barrier()
@@ -228,7 +244,7 @@ def load_checkpoint(
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / COMPLETE).is_file():
         raise ValueError(f"{ckpt_dir} is not a complete checkpoint (no {COMPLETE} marker); use find_latest()")
-    validate_contract(json.loads((ckpt_dir / "contract.json").read_text()), contract)
+    validate_contract(json.loads((ckpt_dir / CONTRACT).read_text()), contract)
     backend.load_state(ckpt_dir / "backend")
     rng_prefix = ckpt_dir / f"rng_rank{backend.rank:05d}"
     if not Path(str(rng_prefix) + ".safetensors").is_file():
@@ -237,4 +253,34 @@ def load_checkpoint(
         )
     _load_rng(rng_prefix, generators or {})
     backend.barrier()
-    return json.loads((ckpt_dir / "train_state.json").read_text())
+    return json.loads((ckpt_dir / TRAIN_STATE).read_text())
+
+
+def resume_point(resume: str, run_dir: Path) -> Path | None:
+    """The checkpoint a run resumes from: `train.resume` is auto (the latest in run_dir, if any),
+    none, or a checkpoint directory."""
+    if resume == "none":
+        return None
+    if resume == "auto":
+        return find_latest(run_dir)
+    path = Path(resume)
+    if not path.is_dir():
+        raise ValueError(f"train.resume={resume!r}: no such checkpoint directory (or use auto|none)")
+    return path
+
+
+def read_train_state(ckpt_dir: Path | None) -> TrainState:
+    """The train state saved in `ckpt_dir` (no collective, nothing restored); a fresh one for None."""
+    if ckpt_dir is None:
+        return TrainState()
+    return TrainState(**json.loads((Path(ckpt_dir) / TRAIN_STATE).read_text()))
+
+
+def holds_draft(path: Path) -> bool:
+    """Whether `path` is a checkpoint directory with the full draft weights and config."""
+    return (path / DRAFT_CONFIG).is_file() and (path / DRAFT_WEIGHTS).is_file()
+
+
+def read_draft(ckpt_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """(full fp32 draft state dict, draft config dict) of a checkpoint: what export reads."""
+    return load_file(ckpt_dir / DRAFT_WEIGHTS), load_config_dict(ckpt_dir / DRAFT_CONFIG)

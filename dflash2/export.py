@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from dflash2.checkpoint import DRAFT_CONFIG, DRAFT_WEIGHTS, holds_draft, read_draft
 from dflash2.config import torch_dtype
 from dflash2.models.config import (
     REQUIRED_BACKBONE_KEYS,
@@ -37,9 +38,6 @@ from dflash2.models.config import (
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
-# Layout of a training checkpoint directory: the full fp32 draft weights and the draft config.
-CHECKPOINT_CONFIG_NAME = "draft_config.json"
-CHECKPOINT_WEIGHTS_NAME = "draft.safetensors"
 
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
 # safetensors header dtype codes -> the names config.json uses.
@@ -286,8 +284,8 @@ def export_draft(
 def load_source(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     """(state dict, config dict) from a training checkpoint directory or a Hugging Face style model directory."""
     path = Path(path)
-    if (path / CHECKPOINT_CONFIG_NAME).is_file() and (path / CHECKPOINT_WEIGHTS_NAME).is_file():
-        return load_file(path / CHECKPOINT_WEIGHTS_NAME), load_config_dict(path / CHECKPOINT_CONFIG_NAME)
+    if holds_draft(path):
+        return read_draft(path)
     files = _weight_files(path)
     if (path / CONFIG_NAME).is_file() and files:
         state = {}
@@ -295,7 +293,7 @@ def load_source(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
             state.update(load_file(file))
         return state, load_config_dict(path)
     raise ValueError(
-        f"{path}: expected {CHECKPOINT_CONFIG_NAME} + {CHECKPOINT_WEIGHTS_NAME} (training checkpoint) "
+        f"{path}: expected {DRAFT_CONFIG} + {DRAFT_WEIGHTS} (training checkpoint) "
         f"or {CONFIG_NAME} + {WEIGHTS_NAME} (model directory)"
     )
 

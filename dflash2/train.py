@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from dflash2.capture import extract_features
-from dflash2.checkpoint import find_latest, load_checkpoint, save_checkpoint
+from dflash2.checkpoint import TrainState, load_checkpoint, resume_point, save_checkpoint
 from dflash2.config import RunConfig, save_run_config, torch_dtype
 from dflash2.data.loader import anchor_generators, collate, micro_batches, pad_token_id_of
 from dflash2.data.prepare import build_dataset
@@ -25,13 +25,6 @@ from dflash2.models import TargetHead, build_draft
 from dflash2.models.config import draft_value, load_config_dict
 from dflash2.objective import ObjectiveConfig, compute_objective, plan_blocks, summarize_metrics
 from dflash2.train_log import TrainLogger
-
-
-@dataclass
-class TrainState:
-    step: int = 0  # optimizer steps done
-    epoch: int = 0
-    batch_in_epoch: int = 0  # next global micro-batch of the epoch
 
 
 @dataclass
@@ -210,19 +203,6 @@ def train_step(setup: Setup, micro: list[list[int]], epochs: list[int], seed: in
 # ------------------------------------------------------------------ loop
 
 
-def resume_point(cfg: RunConfig, run_dir: Path) -> Path | None:
-    if cfg.train.resume == "none":
-        return None
-    if cfg.train.resume == "auto":
-        return find_latest(run_dir)
-    path = Path(cfg.train.resume)
-    if not path.is_dir():
-        raise ValueError(
-            f"train.resume={cfg.train.resume!r}: no such checkpoint directory (or use auto|none)"
-        )
-    return path
-
-
 def save(setup: Setup, cfg: RunConfig, run_dir: Path, state: TrainState) -> Path:
     return save_checkpoint(
         setup.backend,
@@ -238,12 +218,13 @@ def save(setup: Setup, cfg: RunConfig, run_dir: Path, state: TrainState) -> Path
 def fit(cfg: RunConfig, setup: Setup) -> dict[str, float]:
     backend, run_dir = setup.backend, Path(cfg.output_dir)
     state = TrainState()
-    ckpt = resume_point(cfg, run_dir)
+    ckpt = resume_point(cfg.train.resume, run_dir)
     if ckpt is not None:
         state = TrainState(**load_checkpoint(backend, ckpt, contract=setup.contract))
         if backend.is_main:
             print(f"[dflash2] resumed from {ckpt} at step {state.step}")
-    logger = TrainLogger(run_dir, cfg, start_step=state.step, enabled=backend.is_main)
+    start_step = state.step
+    logger = TrainLogger(run_dir, cfg, start_step=start_step, enabled=backend.is_main)
     stream = micro_batches(
         len(setup.dataset),
         cfg.train.micro_batch_size,
@@ -269,7 +250,7 @@ def fit(cfg: RunConfig, setup: Setup) -> dict[str, float]:
         logger.log(state.step, summary, sums, timing, time.perf_counter() - t0)
         if cfg.train.save_every and state.step % cfg.train.save_every == 0 and state.step < last_step:
             save(setup, cfg, run_dir, state)
-    if ckpt is None or state.step > int(ckpt.name.split("_")[-1]):
+    if ckpt is None or state.step > start_step:
         final = save(setup, cfg, run_dir, state)
     else:
         final = ckpt

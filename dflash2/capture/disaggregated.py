@@ -16,7 +16,6 @@ hangs it.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import queue
@@ -177,16 +176,6 @@ def _injected_failure() -> int | None:
 # ------------------------------------------------------------------ the two roles
 
 
-def _resume_state(cfg: RunConfig):
-    """The trainers' data position: the train_state of the checkpoint they resume from."""
-    from dflash2.train import TrainState, resume_point
-
-    ckpt = resume_point(cfg, Path(cfg.output_dir))
-    if ckpt is None:
-        return TrainState()
-    return TrainState(**json.loads((ckpt / "train_state.json").read_text()))
-
-
 def _num_micro_batches(cfg: RunConfig, start_step: int) -> int:
     """What fit() will consume from `start_step` on."""
     last_step = min(cfg.train.max_steps, cfg.train.stop_at_step or cfg.train.max_steps)
@@ -200,6 +189,7 @@ def run_capture_rank(
     from transformers import AutoConfig, AutoTokenizer
 
     from dflash2.capture.offline import draft_layer_ids
+    from dflash2.checkpoint import read_train_state, resume_point
     from dflash2.data.loader import micro_batches
     from dflash2.data.prepare import build_dataset
 
@@ -214,7 +204,7 @@ def run_capture_rank(
     local, total = local_parameter_numel(target)
     print(f"[dflash2] capture rank {backend.rank}: holds {local}/{total} target parameters", flush=True)
 
-    state = _resume_state(cfg)
+    state = read_train_state(resume_point(train.resume, Path(cfg.output_dir)))
     rounds = capture_schedule(num_capture, num_trainers)
     mine = [t for row in rounds if (t := row[backend.rank]) is not None]
     streams = {
