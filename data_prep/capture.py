@@ -16,9 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from dflash2.capture.offline import run_capture  # noqa: E402
 from dflash2.config import load_run_config  # noqa: E402
-from dflash2.distributed import init_distributed  # noqa: E402
+from dflash2.run import run_offline_capture  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,8 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     batch_size = args.batch_size or cfg.train.micro_batch_size
     if batch_size < 1 or args.shard_mb < 1:
         raise ValueError(f"--batch-size ({batch_size}) and --shard-mb ({args.shard_mb}) must be >= 1")
-    init_distributed(cfg.backend)
-    run_capture(cfg, args.out, batch_size=batch_size, shard_bytes=args.shard_mb << 20)
+    run_offline_capture(cfg, args.out, batch_size=batch_size, shard_bytes=args.shard_mb << 20)
     return 0
 
 

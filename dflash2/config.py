@@ -65,6 +65,11 @@ class TrainConfig(_Section):
     export: bool = True  # write <output_dir>/export (HF, contract-exact) at the end
     progress_bar: bool = True
 
+    @property
+    def last_step(self) -> int:
+        """The step this launch ends at: stop_at_step when it comes first, else max_steps."""
+        return min(self.max_steps, self.stop_at_step or self.max_steps)
+
 
 class RunConfig(_Section):
     output_dir: str

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dflash2.capture.transfer import PREFETCH_DEPTH
 from dflash2.config import RunConfig, load_run_config
 
 GIB = 2**30
@@ -297,8 +298,6 @@ def capture_items(target: nn.Module, s: StepShapes, target_bytes: int, act: int)
 
 def sent_features(target_part: list[Item], num_capture: int, num_trainers: int) -> list[Item]:
     """Disaggregated capture rank: up to PREFETCH_DEPTH micro-batches in flight per trainer served."""
-    from dflash2.capture.disaggregated import PREFETCH_DEPTH
-
     one = next(i.num_bytes for i in target_part if i.name == "captured features")
     served = math.ceil(num_trainers / num_capture)
     note = f"{PREFETCH_DEPTH} in flight x {served} trainer(s)"
@@ -307,8 +306,6 @@ def sent_features(target_part: list[Item], num_capture: int, num_trainers: int) 
 
 def received_features(target_part: list[Item]) -> Item:
     """Disaggregated trainer rank: the prefetch queue, one micro-batch arriving and one in use."""
-    from dflash2.capture.disaggregated import PREFETCH_DEPTH
-
     one = next(i.num_bytes for i in target_part if i.name == "captured features")
     return Item(
         "received features", one * (PREFETCH_DEPTH + 2), f"{PREFETCH_DEPTH} queued + 1 arriving + 1 in use"

@@ -6,7 +6,7 @@ test of the whole pipeline (data -> features -> objective -> training -> export 
 
 1. take the first N (1..10) conversations of the data and regenerate their assistant replies with
    the target's own greedy decoding, so that the labels are exactly what the target generates;
-2. train on them with the real training code (`dflash2.train.run`) until they are memorised;
+2. train on them with the real training code (`dflash2.run.run`) until they are memorised;
 3. load the draft back from `<gate dir>/export` (what a server would load) and decode the first
    sample's prompt with speculative decoding (greedy).
 
@@ -222,7 +222,7 @@ def run_gate(
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from dflash2.train import run
+    from dflash2.run import run
 
     if steps < 1:
         raise ValueError(f"--steps must be >= 1, got {steps}")

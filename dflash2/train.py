@@ -1,7 +1,8 @@
 """Training: `build_*` functions, one `train_step`, and a short loop.
 
 Every rank runs the same calls in the same order; rank 0 only guards file writes and logs.
-Entry point: `launch/train.py --config <yaml> [key=value ...]`.
+`dflash2.run` picks the topology and calls `build_setup` and `fit`; the entry point is
+`launch/train.py --config <yaml> [key=value ...]`.
 """
 
 from __future__ import annotations
@@ -13,13 +14,15 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash2.capture import extract_features
+from dflash2.capture.features import FeatureSource, extract_features
+from dflash2.capture.head import load_target_head, target_num_parameters
 from dflash2.checkpoint import TrainState, load_checkpoint, resume_point, save_checkpoint
-from dflash2.config import RunConfig, save_run_config, torch_dtype
+from dflash2.config import RunConfig, torch_dtype
 from dflash2.data.loader import anchor_generators, collate, micro_batches, pad_token_id_of
 from dflash2.data.prepare import build_dataset
-from dflash2.distributed import Backend, OptimConfig, build_backend, init_distributed, shutdown_distributed
+from dflash2.distributed import Backend, OptimConfig
 from dflash2.distributed.base import local_parameter_numel
+from dflash2.export import export_draft
 from dflash2.identity import data_identity, target_identity, tokenizer_identity
 from dflash2.models import TargetHead, build_draft
 from dflash2.models.config import draft_value, load_config_dict
@@ -40,7 +43,9 @@ class Setup:
     objective: ObjectiveConfig
     contract: dict
     tokenizer: object
-    features: object | None = None  # OfflineFeatures or the capture ranks' FeatureReceiver; None: online
+    features: FeatureSource | None = (
+        None  # OfflineFeatures or the capture ranks' FeatureReceiver; None: online
+    )
 
 
 # ------------------------------------------------------------------ build
@@ -110,8 +115,6 @@ def build_target(cfg: RunConfig, backend: Backend, load_full: bool) -> tuple[nn.
     dtype = torch_dtype(cfg.precision)
     target_dtype = cfg.target_torch_dtype
     if not load_full:
-        from dflash2.capture.head import load_target_head, target_num_parameters
-
         total = target_num_parameters(cfg.model.target)
         print(f"[dflash2] rank {backend.rank}: holds 0/{total} target parameters (head only)", flush=True)
         return None, load_target_head(cfg.model.target, target_dtype, backend.device).to(dtype)
@@ -121,9 +124,9 @@ def build_target(cfg: RunConfig, backend: Backend, load_full: bool) -> tuple[nn.
     return target, backend.target_head(target, dtype)
 
 
-def build_setup(cfg: RunConfig, backend: Backend, features: object | None = None) -> Setup:
-    """`features`: a source with `.batch(indices, seq_len)` made elsewhere (the disaggregated trainers'
-    receiver); None: offline features when data.features_dir is set, else online capture."""
+def build_setup(cfg: RunConfig, backend: Backend, features: FeatureSource | None = None) -> Setup:
+    """`features`: where the step gets features (offline features, the capture ranks' receiver),
+    chosen by dflash2.run; None: the step runs the target itself (online capture)."""
     from transformers import AutoConfig, AutoTokenizer
 
     target_config = AutoConfig.from_pretrained(cfg.model.target)
@@ -134,10 +137,6 @@ def build_setup(cfg: RunConfig, backend: Backend, features: object | None = None
     torch.manual_seed(cfg.seed)
     draft = build_draft(draft_config, target_config=target_config, tokenizer=tokenizer)
     layer_ids = list(draft.target_layer_ids)
-    if features is None and cfg.data.features_dir:
-        from dflash2.capture.offline import OfflineFeatures, feature_identity
-
-        features = OfflineFeatures(cfg.data.features_dir, feature_identity(cfg, layer_ids))
     target, head = build_target(cfg, backend, load_full=features is None)
     dataset = build_dataset(cfg.data, tokenizer, backend.is_main)
     normalized = draft.config.to_dict()
@@ -235,7 +234,7 @@ def fit(cfg: RunConfig, setup: Setup) -> dict[str, float]:
         start_batch=state.batch_in_epoch,
     )
     summary: dict[str, float] = {}
-    last_step = min(cfg.train.max_steps, cfg.train.stop_at_step or cfg.train.max_steps)
+    last_step = cfg.train.last_step
     while state.step < last_step:
         t0 = time.perf_counter()
         micro, epochs = [], []
@@ -263,31 +262,8 @@ def fit(cfg: RunConfig, setup: Setup) -> dict[str, float]:
 
 
 def export_final(setup: Setup, out_dir: Path) -> None:
-    from dflash2.export import export_draft
-
     state = setup.backend.full_draft_state_dict()  # collective
     if setup.backend.is_main:
         export_draft(state, out_dir, config=setup.draft_config, tokenizer=setup.tokenizer)
         print(f"[dflash2] exported {out_dir}")
     setup.backend.barrier()
-
-
-def run(cfg: RunConfig) -> dict[str, float]:
-    if cfg.topology == "disaggregated":
-        from dflash2.capture.disaggregated import run_disaggregated
-
-        summary = run_disaggregated(cfg)
-        shutdown_distributed()
-        return summary
-    init_distributed(cfg.backend)
-    backend = build_backend(
-        cfg.backend,
-        cfg.ds_config if cfg.backend == "deepspeed" else None,
-        cfg.train.micro_batch_size,
-        cfg.train.grad_accum_steps,
-    )
-    if backend.is_main:
-        save_run_config(cfg, Path(cfg.output_dir) / "config.yaml")
-    summary = fit(cfg, build_setup(cfg, backend))
-    shutdown_distributed()
-    return summary

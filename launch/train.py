@@ -18,7 +18,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from dflash2.config import load_run_config  # noqa: E402
-from dflash2.train import run  # noqa: E402
+from dflash2.run import run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

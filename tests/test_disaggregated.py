@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from dflash2.capture.disaggregated import INJECT_FAILURE_ENV, capture_schedule, check_disaggregated
 from dflash2.capture.head import target_num_parameters
+from dflash2.capture.transfer import INJECT_FAILURE_ENV, capture_schedule
 from dflash2.config import load_run_config
 from dflash2.export import check_export
+from dflash2.run import check_disaggregated
 from tests.run_helpers import TINY_CONFIG, check_ok, launch_train, metrics, tiny_subset
 
 CRASH_BOUND_S = 120  # a crashed rank must end the job well before any process-group timeout

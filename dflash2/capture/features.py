@@ -3,8 +3,18 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
+
+
+class FeatureSource(Protocol):
+    """Where the loop gets features when it does not run the target itself: OfflineFeatures (disk)
+    or FeatureReceiver (capture ranks)."""
+
+    def batch(self, indices: list[int], seq_len: int) -> torch.Tensor:
+        """[b, seq_len, K*H] features of dataset samples `indices`."""
+        ...
 
 
 def extract_features(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:

@@ -23,9 +23,10 @@ from safetensors.torch import save_file
 
 from dflash2.capture.features import extract_features
 from dflash2.config import RunConfig
-from dflash2.data.loader import collate, pad_token_id_of
+from dflash2.data.loader import collate
 from dflash2.distributed import Backend
 from dflash2.identity import data_identity, target_identity, tokenizer_identity
+from dflash2.models.config import check_draft_config, draft_value, load_config_dict
 
 MANIFEST = "manifest.json"
 FORMAT = "dflash2-features/1"
@@ -47,8 +48,6 @@ def feature_identity(cfg: RunConfig, layer_ids: list[int]) -> dict:
 
 def draft_layer_ids(cfg: RunConfig, target_config) -> list[int]:
     """The draft's target_layer_ids (defaults filled in, checked against the target)."""
-    from dflash2.models.config import check_draft_config, draft_value, load_config_dict
-
     draft_config = check_draft_config(load_config_dict(cfg.model.draft_config), target_config=target_config)
     return [int(i) for i in draft_value(draft_config, "target_layer_ids")]
 
@@ -141,38 +140,33 @@ def write_manifest(
     os.replace(tmp, out_dir / MANIFEST)
 
 
-def run_capture(cfg: RunConfig, out_dir: str | Path, *, batch_size: int, shard_bytes: int) -> Path:
-    """The whole offline capture on every rank of an initialised process group (data_prep/capture.py)."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from dflash2.data.prepare import build_dataset
-    from dflash2.distributed import build_backend
-
-    target_config = AutoConfig.from_pretrained(cfg.model.target)
-    layer_ids = draft_layer_ids(cfg, target_config)
-    backend = build_backend(
-        cfg.backend,
-        cfg.ds_config if cfg.backend == "deepspeed" else None,
-        cfg.train.micro_batch_size,
-        cfg.train.grad_accum_steps,
-    )
+def capture_to_dir(
+    cfg: RunConfig,
+    backend: Backend,
+    target: torch.nn.Module,
+    dataset,
+    layer_ids: list[int],
+    out_dir: Path,
+    *,
+    hidden_size: int,
+    pad_token_id: int,
+    batch_size: int,
+    shard_bytes: int,
+) -> Path:
+    """The whole offline capture of run `cfg` into `out_dir` (collective over the target's group):
+    shards from every rank, then the manifest from rank 0."""
     out_dir = Path(out_dir)
     if backend.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / MANIFEST).unlink(missing_ok=True)  # the old one would describe shards about to change
     backend.barrier()
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.target)
-    dataset = build_dataset(cfg.data, tokenizer, backend.is_main)
-    dtype = cfg.target_torch_dtype
-    target = backend.load_target(cfg.model.target, dtype)
-    pad_id = pad_token_id_of(tokenizer)
     sample_shard = capture_dataset(
         backend,
         target,
         dataset,
         layer_ids,
         out_dir,
-        pad_token_id=pad_id,
+        pad_token_id=pad_token_id,
         batch_size=batch_size,
         shard_bytes=shard_bytes,
     )
@@ -181,8 +175,7 @@ def run_capture(cfg: RunConfig, out_dir: str | Path, *, batch_size: int, shard_b
     if backend.is_main:
         merged = {index: name for part in gathered for index, name in part.items()}
         lengths = [len(ids) for ids in dataset["input_ids"]]
-        hidden_size = target_config.get_text_config().hidden_size
-        meta = {"dtype": DTYPE_NAMES[dtype], "feature_dim": hidden_size * len(layer_ids)}
+        meta = {"dtype": DTYPE_NAMES[cfg.target_torch_dtype], "feature_dim": hidden_size * len(layer_ids)}
         write_manifest(out_dir, feature_identity(cfg, layer_ids), merged, lengths, meta)
         print(f"[dflash2] captured {len(lengths)} samples into {out_dir}", flush=True)
     backend.barrier()

@@ -1,0 +1,213 @@
+"""The top of a run: start the process group, pick the topology, hand the pieces to the loop.
+
+    colocated       every rank holds a shard of the target and of the draft; features are captured
+                    online inside the step, or read from data.features_dir (offline capture)
+    disaggregated   ranks [0, N) (N = capture_ranks) hold the frozen target, sharded among themselves,
+                    and send features point-to-point (dflash2.capture.transfer); ranks [N, world)
+                    train the draft, sharded among themselves, with only the target's embedding and
+                    LM head (never the whole target)
+
+Entry points: `run` (launch/train.py) and `run_offline_capture` (data_prep/capture.py).
+
+Failure: torchrun tears down every worker when one fails; without it, the process groups of the
+disaggregated topology time out after DFLASH2_DIST_TIMEOUT_S seconds (default 1800), so a dead peer
+stops the job, never hangs it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from transformers import AutoConfig, AutoTokenizer
+
+from dflash2.capture.features import extract_features
+from dflash2.capture.offline import OfflineFeatures, capture_to_dir, draft_layer_ids, feature_identity
+from dflash2.capture.transfer import FeatureReceiver, FeatureSender, capture_schedule
+from dflash2.checkpoint import read_train_state, resume_point
+from dflash2.config import RunConfig, save_run_config
+from dflash2.data.loader import collate, micro_batches, pad_token_id_of
+from dflash2.data.prepare import build_dataset
+from dflash2.distributed import Backend, build_backend, init_distributed, shutdown_distributed
+from dflash2.distributed.base import local_parameter_numel
+from dflash2.train import build_setup, fit
+
+TIMEOUT_ENV = "DFLASH2_DIST_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 1800
+
+
+def run(cfg: RunConfig) -> dict[str, float]:
+    """Train with the topology the config names (every rank calls it); returns the last step's metrics
+    ({} on capture ranks)."""
+    if cfg.topology == "disaggregated":
+        summary = run_disaggregated(cfg)
+    else:
+        summary = run_colocated(cfg)
+    shutdown_distributed()
+    return summary
+
+
+def run_backend(cfg: RunConfig, group: dist.ProcessGroup | None = None) -> Backend:
+    """The run's backend; with `group`, target and draft are both sharded over that group only."""
+    return build_backend(
+        cfg.backend,
+        cfg.ds_config if cfg.backend == "deepspeed" else None,
+        cfg.train.micro_batch_size,
+        cfg.train.grad_accum_steps,
+        target_group=group,
+        draft_group=group,
+    )
+
+
+# ------------------------------------------------------------------ colocated
+
+
+def offline_features(cfg: RunConfig) -> OfflineFeatures | None:
+    """The features of data.features_dir, checked against this run; None: capture online."""
+    if not cfg.data.features_dir:
+        return None
+    layer_ids = draft_layer_ids(cfg, AutoConfig.from_pretrained(cfg.model.target))
+    return OfflineFeatures(cfg.data.features_dir, feature_identity(cfg, layer_ids))
+
+
+def run_colocated(cfg: RunConfig) -> dict[str, float]:
+    init_distributed(cfg.backend)
+    backend = run_backend(cfg)
+    if backend.is_main:
+        save_run_config(cfg, Path(cfg.output_dir) / "config.yaml")
+    return fit(cfg, build_setup(cfg, backend, features=offline_features(cfg)))
+
+
+def run_offline_capture(cfg: RunConfig, out_dir: str | Path, *, batch_size: int, shard_bytes: int) -> Path:
+    """Capture the features of run `cfg` into `out_dir` on every rank (data_prep/capture.py)."""
+    init_distributed(cfg.backend)
+    target_config = AutoConfig.from_pretrained(cfg.model.target)
+    layer_ids = draft_layer_ids(cfg, target_config)
+    backend = run_backend(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.target)
+    dataset = build_dataset(cfg.data, tokenizer, backend.is_main)
+    target = backend.load_target(cfg.model.target, cfg.target_torch_dtype)
+    out = capture_to_dir(
+        cfg,
+        backend,
+        target,
+        dataset,
+        layer_ids,
+        Path(out_dir),
+        hidden_size=target_config.get_text_config().hidden_size,
+        pad_token_id=pad_token_id_of(tokenizer),
+        batch_size=batch_size,
+        shard_bytes=shard_bytes,
+    )
+    shutdown_distributed()
+    return out
+
+
+# ------------------------------------------------------------------ disaggregated
+
+
+def check_disaggregated(cfg: RunConfig, world_size: int | None = None) -> None:
+    """Refuse what this topology cannot run (before any process group starts when world_size is None)."""
+    if cfg.backend != "fsdp":
+        raise ValueError(
+            f"topology=disaggregated needs backend=fsdp (got backend={cfg.backend}): the target is sharded over the "
+            "capture ranks only and the draft over the trainer ranks only, and the deepspeed backend partitions "
+            "over the whole world (zero.Init and deepspeed.initialize take no sub-group here); set backend=fsdp"
+        )
+    if world_size is not None and not 1 <= cfg.capture_ranks < world_size:
+        raise ValueError(
+            f"capture_ranks={cfg.capture_ranks} must be in [1, {world_size - 1}] for {world_size} processes: "
+            "at least one capture rank and one trainer rank (launch more processes or lower capture_ranks)"
+        )
+
+
+def _timeout() -> timedelta:
+    seconds = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
+    if seconds <= 0:
+        raise ValueError(f"{TIMEOUT_ENV}={seconds} must be > 0 (seconds)")
+    return timedelta(seconds=seconds)
+
+
+def run_disaggregated(cfg: RunConfig) -> dict[str, float]:
+    """Every rank calls it; returns the trainers' last metrics ({} on capture ranks)."""
+    check_disaggregated(cfg)
+    init_distributed(cfg.backend)
+    check_disaggregated(cfg, dist.get_world_size())
+    num_capture, world_size, timeout = cfg.capture_ranks, dist.get_world_size(), _timeout()
+    # every rank creates every group, in the same order
+    capture_group = dist.new_group(list(range(num_capture)), timeout=timeout)
+    trainer_group = dist.new_group(list(range(num_capture, world_size)), timeout=timeout)
+    transfer_group = dist.new_group(list(range(world_size)), timeout=timeout)
+    t0 = time.perf_counter()
+    if dist.get_rank() < num_capture:
+        run_capture_rank(cfg, capture_group, transfer_group)
+        summary = {}
+    else:
+        summary = run_trainer_rank(cfg, trainer_group, transfer_group)
+    dist.barrier(group=transfer_group)  # the job ends together (capture ranks may host the store)
+    if dist.get_rank() == 0:
+        print(f"[dflash2] disaggregated run done in {time.perf_counter() - t0:.1f} s", flush=True)
+    return summary
+
+
+@torch.no_grad()
+def run_capture_rank(
+    cfg: RunConfig, capture_group: dist.ProcessGroup, transfer_group: dist.ProcessGroup
+) -> None:
+    """Walk the trainers' own data order from their checkpointed position, one target forward per
+    micro-batch and trainer served, and send the features."""
+    num_capture, num_trainers = cfg.capture_ranks, dist.get_world_size() - cfg.capture_ranks
+    train = cfg.train
+    backend = run_backend(cfg, capture_group)
+    layer_ids = draft_layer_ids(cfg, AutoConfig.from_pretrained(cfg.model.target))
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.target)
+    pad_id = pad_token_id_of(tokenizer)
+    dataset = build_dataset(cfg.data, tokenizer, is_main=False)
+    target = backend.load_target(cfg.model.target, cfg.target_torch_dtype)
+    local, total = local_parameter_numel(target)
+    print(f"[dflash2] capture rank {backend.rank}: holds {local}/{total} target parameters", flush=True)
+
+    state = read_train_state(resume_point(train.resume, Path(cfg.output_dir)))
+    rounds = capture_schedule(num_capture, num_trainers)
+    mine = [t for row in rounds if (t := row[backend.rank]) is not None]
+    streams = {
+        t: micro_batches(
+            len(dataset),
+            train.micro_batch_size,
+            cfg.seed,
+            t,
+            num_trainers,
+            epoch=state.epoch,
+            start_batch=state.batch_in_epoch,
+        )
+        for t in mine
+    }
+    sender = FeatureSender(transfer_group, train.micro_batch_size, backend.device)
+    # what fit() consumes from the resumed step on
+    for _ in range((train.last_step - state.step) * train.grad_accum_steps):
+        for row in rounds:
+            trainer = row[backend.rank]
+            indices = next(streams[trainer])[2] if trainer is not None else []
+            samples = [dataset[i] for i in indices] or [{"input_ids": [pad_id], "loss_mask": [0]}]
+            batch = collate(samples, pad_id)
+            hidden = backend.target_hidden_states(target, batch["input_ids"], batch["attention_mask"])
+            if trainer is not None:
+                sender.send(num_capture + trainer, indices, extract_features(hidden, layer_ids))
+    sender.close()
+
+
+def run_trainer_rank(
+    cfg: RunConfig, trainer_group: dist.ProcessGroup, transfer_group: dist.ProcessGroup
+) -> dict[str, float]:
+    backend = run_backend(cfg, trainer_group)
+    if backend.is_main:
+        save_run_config(cfg, Path(cfg.output_dir) / "config.yaml")
+    source = backend.rank % cfg.capture_ranks  # trainer t is served by capture rank t % N
+    receiver = FeatureReceiver(source, transfer_group, cfg.train.micro_batch_size, backend.device)
+    summary = fit(cfg, build_setup(cfg, backend, features=receiver))
+    receiver.thread.join()  # it ends on the capture rank's end marker
+    return summary
