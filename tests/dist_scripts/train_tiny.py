@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from dflash2 import checkpoint  # noqa: E402
 from dflash2.checkpoint import find_latest, load_checkpoint  # noqa: E402
-from dflash2.distributed import OptimConfig, build_backend, init_distributed  # noqa: E402
+from dflash2.distributed import OptimConfig, build_backend, init_distributed, shutdown_distributed  # noqa: E402
 from tests.dist_scripts.tiny import StandInDraft, micro_batch, weighted_loss_sum  # noqa: E402
 
 MICRO_BATCH_SIZE = 3
@@ -167,7 +167,7 @@ def main() -> None:
     if not args.skip_target:
         check_target(backend, args, out)
     train(backend, args, out)
-    backend.barrier()
+    shutdown_distributed()  # torn down before exit, as a run does: left to exit handlers a rank may abort
 
 
 if __name__ == "__main__":
