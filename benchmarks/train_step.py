@@ -37,6 +37,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a plain script from any directory
     sys.path.insert(0, str(REPO_ROOT))
 
+from dflash2.config import ObjectiveSection  # noqa: E402
 from dflash2.models import TargetHead, build_draft  # noqa: E402
 from dflash2.objective import ObjectiveConfig, compute_objective  # noqa: E402
 
@@ -65,7 +66,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--batch", type=int, default=1, help="sequences per step")
     add("--repeats", type=int, default=3, help="timed steps per measurement (median reported)")
     add("--architecture", default="DFlash2DraftModel", choices=["DFlashDraftModel", "DFlash2DraftModel"])
-    add("--chunk-rows", type=int, default=ObjectiveConfig.logits_chunk_rows, help="rows per logits chunk")
+    add(
+        "--chunk-rows",
+        type=int,
+        default=ObjectiveSection.model_fields["logits_chunk_rows"].default,
+        help="rows per logits chunk",
+    )
     add("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS, help="objective paths to run")
     add("--dtype", default="float32", choices=sorted(DTYPES), help="draft, head and feature dtype")
     add("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
@@ -151,12 +157,7 @@ def build_case(args: argparse.Namespace, num_anchors: int):
         "loss_mask": torch.ones(args.batch, args.seq_len, dtype=torch.long, device=device),
         "features": torch.randn(args.batch, args.seq_len, num_features, dtype=dtype, device=device),
     }
-    cfg = ObjectiveConfig(
-        block_size=args.block_size,
-        mask_token_id=draft.mask_token_id,
-        num_anchors=num_anchors,
-        logits_chunk_rows=args.chunk_rows,
-    )
+    cfg = ObjectiveConfig.for_draft(draft, num_anchors=num_anchors, logits_chunk_rows=args.chunk_rows)
     return draft, head, batch, cfg
 
 

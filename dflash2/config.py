@@ -37,12 +37,14 @@ class DataConfig(_Section):
 
 
 class ObjectiveSection(_Section):
+    """The run config's objective keys; dflash2.objective.ObjectiveConfig adds what the draft fixes."""
+
     num_anchors: int = Field(64, ge=1)
-    loss_gamma: float | None = Field(None, gt=0)
+    loss_gamma: float | None = Field(None, gt=0)  # slot k weighted exp(-(k-1)/gamma); None = uniform
     selector_loss_alpha: float = Field(1.0, ge=0)
     selector_mode: Literal["insert", "strict"] = "insert"
-    logits_chunk_rows: int = Field(1024, ge=1)
-    coverage_top_k: int = Field(16, ge=1)
+    logits_chunk_rows: int = Field(1024, ge=1)  # rows of [supervised slots, V] logits alive at once
+    coverage_top_k: int = Field(16, ge=1)  # top-k of the coverage metrics when the draft has no selector
 
 
 class TrainConfig(_Section):

@@ -9,26 +9,49 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any
 
 import torch
+from pydantic import ConfigDict
 from torch import nn
 from torch.nn import functional as F
 
-from dflash2.models.config import draft_value
+from dflash2.config import ObjectiveSection
+from dflash2.models.config import logit_transform
+from dflash2.models.draft import transform_logits
 from dflash2.models.target_head import TargetHead
 
 
-@dataclass(frozen=True)
-class ObjectiveConfig:
+class ObjectiveConfig(ObjectiveSection):
+    """Everything the objective needs, built once per run: the run config's `objective` section
+    (anchors, gamma, alpha, selector mode, chunk rows; validated there) plus what the draft fixes."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
     block_size: int
     mask_token_id: int
-    num_anchors: int = 64
-    loss_gamma: float | None = None  # slot k weighted exp(-(k-1)/gamma); None = uniform
-    selector_loss_alpha: float = 1.0
-    selector_mode: Literal["insert", "strict"] = "insert"
-    coverage_top_k: int = 16  # top-k used for coverage metrics when the draft has no selector
-    logits_chunk_rows: int = 1024  # rows of [supervised slots, V] logits alive at once
+    output_multiplier: float  # unary logit transforms (contract section 2.2)
+    softcap: float | None
+    top_k: int  # candidates per slot: the selector's top-k (DFlash 2), else coverage_top_k
+
+    @classmethod
+    def for_draft(cls, draft: nn.Module, **settings: Any) -> ObjectiveConfig:
+        """Read block size, mask id, logit transforms and top-k off an (unwrapped) draft model once.
+        `settings`: keys of the objective section (defaults otherwise), and optionally overrides of
+        what the draft gives."""
+        keys = ObjectiveSection.model_fields
+        section = ObjectiveSection(**{k: v for k, v in settings.items() if k in keys})
+        multiplier, softcap = logit_transform(draft.config)
+        selector = getattr(draft, "candidate_selector", None)
+        from_draft = {
+            "block_size": draft.block_size,
+            "mask_token_id": draft.mask_token_id,
+            "output_multiplier": multiplier,
+            "softcap": softcap,
+            "top_k": selector.top_k if selector is not None else section.coverage_top_k,
+        }
+        overrides = {k: v for k, v in settings.items() if k not in keys}
+        return cls(**section.model_dump(), **{**from_draft, **overrides})
 
 
 @dataclass
@@ -102,12 +125,6 @@ def block_targets(
 
 
 # ------------------------------------------------------------------ chunked unary cross-entropy
-
-
-def _transform(z: torch.Tensor, multiplier: float, cap: float | None) -> torch.Tensor:
-    """Unary transforms: multiply first, then softcap."""
-    u = z * multiplier
-    return u if cap is None else cap * torch.tanh(u / cap)
 
 
 class _ChunkedUnaryCE(torch.autograd.Function):
@@ -198,7 +215,7 @@ def unary_ce(hidden, head: TargetHead, labels, row_weights, multiplier, cap, chu
 
 def unary_ce_naive(hidden, head: TargetHead, labels, row_weights, multiplier, cap, top_k):
     """Reference path: full [R, V] logits through autograd (benchmarks and tests only)."""
-    u = _transform(head.logits(hidden).float(), multiplier, cap)
+    u = transform_logits(head.logits(hidden).float(), multiplier, cap)
     loss = (row_weights * F.cross_entropy(u, labels, reduction="none")).sum()
     return loss, torch.topk(u.detach(), top_k, dim=-1).indices
 
@@ -233,7 +250,7 @@ def selector_scores(
     z = torch.einsum("rh,rkh->rk", hidden, head.lm_head_weight[candidates].to(hidden.dtype))
     if head.lm_head_bias is not None:
         z = z + head.lm_head_bias[candidates]
-    unary = _transform(z.float(), multiplier, cap)
+    unary = transform_logits(z.float(), multiplier, cap)
     scores = selector(hidden, unary, candidates, predecessors[:, None])[:, 0]  # [R, k]
     return scores.float(), gold_index, in_topk
 
@@ -284,8 +301,9 @@ def compute_objective(
 ) -> ObjectiveOutput:
     """batch: input_ids [b, S], loss_mask [b, S], features [b, S, K*H] (target hidden states).
 
-    `draft` may be a sharding wrapper; its `.config` (or `.module.config`) must be reachable.
-    `blocks` (from plan_blocks) is sampled here with `generator` when not given.
+    `draft` may be a sharding wrapper (its selector is reached through `.module`); everything else
+    the objective needs is in `cfg`. `blocks` (from plan_blocks) is sampled here with `generator`
+    when not given.
     """
     model = getattr(draft, "module", draft)
     input_ids = batch["input_ids"]
@@ -309,11 +327,8 @@ def compute_objective(
     rows = weights > 0
     slot = torch.arange(1, block_size, device=rows.device).expand_as(rows)[rows] - 1  # [R], 0-based k-1
     h, y, w, pred = hidden[rows], labels[rows], weights[rows], predecessors[rows]
-    multiplier = float(draft_value(model.config, "output_multiplier", 1.0) or 1.0)
-    cap = draft_value(model.config, "final_logit_softcapping")
-    cap = float(cap) if cap is not None and float(cap) > 0 else None
+    multiplier, cap, top_k = cfg.output_multiplier, cfg.softcap, cfg.top_k
     selector = getattr(model, "candidate_selector", None)
-    top_k = selector.top_k if selector is not None else cfg.coverage_top_k
 
     if naive:
         base_sum, topk_ids = unary_ce_naive(h, head, y, w, multiplier, cap, top_k)

@@ -51,20 +51,6 @@ class Setup:
 # ------------------------------------------------------------------ build
 
 
-def build_objective_config(cfg: RunConfig, draft_config: dict) -> ObjectiveConfig:
-    o = cfg.objective
-    return ObjectiveConfig(
-        block_size=int(draft_value(draft_config, "block_size")),
-        mask_token_id=int(draft_value(draft_config, "mask_token_id")),
-        num_anchors=o.num_anchors,
-        loss_gamma=o.loss_gamma,
-        selector_loss_alpha=o.selector_loss_alpha,
-        selector_mode=o.selector_mode,
-        coverage_top_k=o.coverage_top_k,
-        logits_chunk_rows=o.logits_chunk_rows,
-    )
-
-
 def build_contract(cfg: RunConfig, draft_config: dict, world_size: int) -> dict:
     """What a checkpoint is only valid for (training.md section 6); resume compares it field by field."""
     value = lambda name: draft_value(draft_config, name)  # noqa: E731
@@ -140,6 +126,7 @@ def build_setup(cfg: RunConfig, backend: Backend, features: FeatureSource | None
     target, head = build_target(cfg, backend, load_full=features is None)
     dataset = build_dataset(cfg.data, tokenizer, backend.is_main)
     normalized = draft.config.to_dict()
+    objective = ObjectiveConfig.for_draft(draft, **cfg.objective.model_dump())
     model = backend.setup_draft(draft, build_optim_config(cfg), cfg.precision)
     pad_id = pad_token_id_of(tokenizer)
     return Setup(
@@ -151,7 +138,7 @@ def build_setup(cfg: RunConfig, backend: Backend, features: FeatureSource | None
         layer_ids=layer_ids,
         dataset=dataset,
         pad_token_id=pad_id,
-        objective=build_objective_config(cfg, normalized),
+        objective=objective,
         contract=build_contract(cfg, normalized, backend.draft_world_size),
         tokenizer=tokenizer,
         features=features,

@@ -89,9 +89,8 @@ def test_objective_matches_slow_per_block_reference(architecture, mode, gamma):
         draft.config.dflash_config.update(output_multiplier=1.0, final_logit_softcapping=None)
     head = random_head()
     batch = make_batch()
-    cfg = ObjectiveConfig(
-        block_size=draft.block_size,
-        mask_token_id=draft.mask_token_id,
+    cfg = ObjectiveConfig.for_draft(
+        draft,
         num_anchors=5,
         loss_gamma=gamma,
         selector_loss_alpha=0.7,
@@ -119,7 +118,7 @@ def test_chunked_equals_naive_loss_and_grads():
     head, batch = random_head(), make_batch(1)
     results = []
     for naive, chunk in [(True, 0), (False, 1), (False, 4), (False, 10_000)]:
-        cfg = ObjectiveConfig(block_size=4, mask_token_id=256, num_anchors=6, logits_chunk_rows=chunk or 1)
+        cfg = ObjectiveConfig.for_draft(draft, num_anchors=6, logits_chunk_rows=chunk or 1)
         draft.zero_grad()
         out = compute_objective(draft, head, batch, cfg, torch.Generator().manual_seed(0), naive=naive)
         out.loss_sum.backward()
@@ -173,7 +172,7 @@ def test_selector_supervision_inserts_gold_and_teacher_forces():
 def test_gradients_reach_codebooks_projection_and_layers():
     draft = random_draft(seed=2)
     out = compute_objective(
-        draft, random_head(), make_batch(), ObjectiveConfig(block_size=4, mask_token_id=256, num_anchors=4)
+        draft, random_head(), make_batch(), ObjectiveConfig.for_draft(draft, num_anchors=4)
     )
     out.loss_sum.backward()
     for name in [
@@ -191,10 +190,9 @@ def test_batch_without_valid_anchor_is_a_clear_error():
     batch = make_batch()
     batch["loss_mask"] = torch.zeros_like(batch["loss_mask"])
     batch["loss_mask"][:, ::2] = 1  # never two consecutive supervised tokens
+    draft = random_draft()
     with pytest.raises(ValueError, match="no valid anchor"):
-        compute_objective(
-            random_draft(), random_head(), batch, ObjectiveConfig(block_size=4, mask_token_id=256)
-        )
+        compute_objective(draft, random_head(), batch, ObjectiveConfig.for_draft(draft))
 
 
 def test_metrics_summary_and_acceptance_estimate():
@@ -202,7 +200,7 @@ def test_metrics_summary_and_acceptance_estimate():
     assert estimated_acceptance_length([0.5, 0.5]) == pytest.approx(1.75)
     draft = random_draft(seed=1)
     out = compute_objective(
-        draft, random_head(), make_batch(), ObjectiveConfig(block_size=4, mask_token_id=256, num_anchors=8)
+        draft, random_head(), make_batch(), ObjectiveConfig.for_draft(draft, num_anchors=8)
     )
     m = summarize_metrics(out.metrics, alpha=1.0)
     assert m["loss"] == pytest.approx(float(out.loss_sum.detach()) / float(out.weight_sum), rel=1e-5)

@@ -137,8 +137,8 @@ def test_activation_estimate_matches_a_real_step(precision, batch_size, num_anch
         "loss_mask": torch.ones(batch_size, seq_len, dtype=torch.long),
         "features": torch.randn(batch_size, seq_len, num_features * hidden, dtype=dtype),
     }
-    objective = ObjectiveConfig(
-        block_size=block, mask_token_id=3, num_anchors=num_anchors, logits_chunk_rows=64
+    objective = ObjectiveConfig.for_draft(
+        draft, mask_token_id=3, num_anchors=num_anchors, logits_chunk_rows=64
     )
     measured = measured_saved_bytes(draft, head, batch, objective)
     shapes = StepShapes(

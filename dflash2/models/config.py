@@ -82,6 +82,14 @@ def draft_value(config: Any, name: str, default: Any = None) -> Any:
     return _get(config, name, default)
 
 
+def logit_transform(config: Any) -> tuple[float, float | None]:
+    """(output_multiplier, softcap) of a draft config, as the servers read them: a missing or null
+    multiplier is 1, a missing, null or non-positive final_logit_softcapping means no cap."""
+    multiplier = float(draft_value(config, "output_multiplier", 1.0) or 1.0)
+    cap = draft_value(config, "final_logit_softcapping")
+    return multiplier, (float(cap) if cap is not None and float(cap) > 0 else None)
+
+
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """The target layers the servers pick when a config names none: spread over the target's depth."""
     if num_draft_layers < 1:

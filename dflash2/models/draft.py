@@ -19,10 +19,20 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from dflash2.models.attention import DFlashAttention
-from dflash2.models.config import default_target_layer_ids, draft_value
+from dflash2.models.config import default_target_layer_ids, draft_value, logit_transform
 from dflash2.models.conv import AFTER, BEFORE, GroupedDynamicConv
 from dflash2.models.selector import CandidateSelector
 from dflash2.models.target_head import TargetHead
+
+
+def transform_logits(logits: torch.Tensor, multiplier: float, softcap: float | None) -> torch.Tensor:
+    """The unary logit transforms of DFlash 2 (contract section 2.2): multiply by output_multiplier, then
+    softcap. The identity for v1 defaults (multiplier 1, no cap)."""
+    if multiplier != 1.0:
+        logits = logits * multiplier
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    return logits
 
 
 class DFlashDecoderLayer(nn.Module):
@@ -130,14 +140,8 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         return self.norm(h)
 
     def transform_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """Unary transforms: multiply by output_multiplier, then softcap (identity for v1 defaults)."""
-        multiplier = float(draft_value(self.config, "output_multiplier", 1.0) or 1.0)
-        if multiplier != 1.0:
-            logits = logits * multiplier
-        cap = draft_value(self.config, "final_logit_softcapping")
-        if cap is not None and float(cap) > 0:
-            logits = float(cap) * torch.tanh(logits / float(cap))
-        return logits
+        """This draft's unary transforms (module function `transform_logits`)."""
+        return transform_logits(logits, *logit_transform(self.config))
 
     def compute_logits(self, hidden: torch.Tensor, head: TargetHead) -> torch.Tensor:
         return self.transform_logits(head.logits(hidden))
