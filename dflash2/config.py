@@ -47,19 +47,25 @@ class ObjectiveSection(_Section):
     coverage_top_k: int = Field(16, ge=1)  # top-k of the coverage metrics when the draft has no selector
 
 
-class TrainConfig(_Section):
-    micro_batch_size: int = Field(1, ge=1)
-    grad_accum_steps: int = Field(1, ge=1)
+class OptimConfig(_Section):
+    """AdamW, the LR schedule (dflash2.schedule) and clipping; keys of the `train` section."""
+
     max_steps: int = Field(1000, ge=1)  # optimizer steps; the LR schedule spans them
-    stop_at_step: int | None = Field(
-        None, ge=1
-    )  # end this launch early (with a checkpoint), e.g. a time-limited job
     lr: float = Field(6e-4, gt=0)
     weight_decay: float = Field(0.0, ge=0)
-    warmup_steps: int = Field(0, ge=0)
+    warmup_steps: int = Field(0, ge=0)  # a warmup longer than the run is allowed: the LR ramps throughout
     schedule: Literal["cosine", "constant"] = "cosine"
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     max_grad_norm: float = Field(1.0, gt=0)
+
+
+class TrainConfig(OptimConfig):
+    """The `train` section: the optimizer's keys (OptimConfig) and the loop's."""
+
+    micro_batch_size: int = Field(1, ge=1)
+    grad_accum_steps: int = Field(1, ge=1)
+    # end this launch early (with a checkpoint), e.g. a time-limited job
+    stop_at_step: int | None = Field(None, ge=1)
     log_every: int = Field(10, ge=1)
     save_every: int = Field(0, ge=0)  # 0: only the final checkpoint
     keep_last: int = Field(3, ge=1)

@@ -20,7 +20,7 @@ from dflash2.checkpoint import TrainState, load_checkpoint, resume_point, save_c
 from dflash2.config import RunConfig, torch_dtype
 from dflash2.data.loader import anchor_generators, collate, micro_batches, pad_token_id_of
 from dflash2.data.prepare import build_dataset
-from dflash2.distributed import Backend, OptimConfig
+from dflash2.distributed import Backend
 from dflash2.distributed.base import local_parameter_numel
 from dflash2.export import export_draft
 from dflash2.identity import data_identity, target_identity, tokenizer_identity
@@ -81,20 +81,6 @@ def build_contract(cfg: RunConfig, draft_config: dict, world_size: int) -> dict:
     }
 
 
-def build_optim_config(cfg: RunConfig) -> OptimConfig:
-    t = cfg.train
-    return OptimConfig(
-        lr=t.lr,
-        total_steps=t.max_steps,
-        weight_decay=t.weight_decay,
-        warmup_steps=t.warmup_steps,
-        schedule=t.schedule,
-        min_lr_ratio=t.min_lr_ratio,
-        max_grad_norm=t.max_grad_norm,
-        grad_accum_steps=t.grad_accum_steps,
-    )
-
-
 def build_target(cfg: RunConfig, backend: Backend, load_full: bool) -> tuple[nn.Module | None, TargetHead]:
     """The sharded frozen target and its head. When features come from elsewhere (disk, capture ranks)
     only the embedding and LM head are read from the target's safetensors: the target is never loaded."""
@@ -127,7 +113,7 @@ def build_setup(cfg: RunConfig, backend: Backend, features: FeatureSource | None
     dataset = build_dataset(cfg.data, tokenizer, backend.is_main)
     normalized = draft.config.to_dict()
     objective = ObjectiveConfig.for_draft(draft, **cfg.objective.model_dump())
-    model = backend.setup_draft(draft, build_optim_config(cfg), cfg.precision)
+    model = backend.setup_draft(draft, cfg.train, cfg.precision)
     pad_id = pad_token_id_of(tokenizer)
     return Setup(
         backend=backend,

@@ -19,6 +19,7 @@ PACKAGE = REPO / "dflash2"
 LAYERS = {
     "dflash2.config": 0,
     "dflash2.identity": 0,
+    "dflash2.schedule": 0,
     "dflash2.models": 1,
     "dflash2.data": 1,
     "dflash2.distributed": 2,

@@ -16,7 +16,6 @@ import ast
 import fcntl
 import hashlib
 import json
-import math
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -24,7 +23,9 @@ from pathlib import Path
 
 import torch
 
+from dflash2 import schedule
 from dflash2.data import tiny_corpus
+from dflash2.schedule import lr_factor
 
 ENDOFTEXT, IM_START, IM_END, MASK = "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"
 SPECIAL_TOKENS = [ENDOFTEXT, IM_START, IM_END, MASK]  # ids 0, 1, 2, 3 in this order
@@ -100,7 +101,7 @@ def _stamp(params: BuildParams) -> str:
     """Hash of the builder's code and the parameters. The code enters as its syntax tree, so
     reformatting or editing comments does not force a rebuild."""
     digest = hashlib.sha256()
-    for module_file in (__file__, tiny_corpus.__file__):
+    for module_file in (__file__, tiny_corpus.__file__, schedule.__file__):
         digest.update(ast.dump(ast.parse(Path(module_file).read_text())).encode())
     digest.update(json.dumps(asdict(params), sort_keys=True).encode())
     return digest.hexdigest()
@@ -221,7 +222,10 @@ def train_target(tokenizer, conversations: list[tiny_corpus.Conversation], param
     recent: list[float] = []
     for step in range(params.train_steps):
         for group in optimizer.param_groups:
-            group["lr"] = params.learning_rate * _lr_factor(step, params)
+            factor = lr_factor(
+                step, warmup_steps=params.warmup_steps, total_steps=params.train_steps, min_lr_ratio=0.1
+            )
+            group["lr"] = params.learning_rate * factor
         first = int(torch.randint(len(sequences) - params.batch_size + 1, (1,), generator=generator))
         input_ids, labels = _pad_batch(sequences[first : first + params.batch_size], tokenizer.pad_token_id)
         loss = model(input_ids=input_ids, attention_mask=(labels != -100).long(), labels=labels).loss
@@ -231,14 +235,6 @@ def train_target(tokenizer, conversations: list[tiny_corpus.Conversation], param
         optimizer.step()
         recent = (recent + [loss.item()])[-20:]
     return model.eval(), round(sum(recent) / len(recent), 4)
-
-
-def _lr_factor(step: int, params: BuildParams) -> float:
-    """Linear warmup, then cosine decay to 10% of the peak."""
-    if step < params.warmup_steps:
-        return (step + 1) / params.warmup_steps
-    progress = (step - params.warmup_steps) / max(1, params.train_steps - params.warmup_steps)
-    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def _pad_batch(sequences: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

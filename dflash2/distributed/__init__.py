@@ -1,11 +1,10 @@
 """Distribution behind one interface: DeepSpeed ZeRO-3 or FSDP2 (imported lazily by build_backend)."""
 
-from dflash2.distributed.base import Backend, OptimConfig, lr_multiplier
+from dflash2.distributed.base import Backend, lr_multiplier
 from dflash2.distributed.env import build_backend, init_distributed, shutdown_distributed
 
 __all__ = [
     "Backend",
-    "OptimConfig",
     "build_backend",
     "init_distributed",
     "lr_multiplier",

@@ -5,11 +5,9 @@ The loop never asks which backend it has: it calls these methods on every rank, 
 
 from __future__ import annotations
 
-import math
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -17,52 +15,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dflash2.config import OptimConfig
 from dflash2.models.target_head import TargetHead
+from dflash2.schedule import lr_factor
 
-
-@dataclass
-class OptimConfig:
-    """AdamW + warmup/cosine schedule + clipping; `total_steps` counts optimizer steps."""
-
-    lr: float
-    total_steps: int
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    warmup_steps: int = 0
-    schedule: Literal["cosine", "constant"] = "cosine"
-    min_lr_ratio: float = 0.1
-    max_grad_norm: float = 1.0
-    grad_accum_steps: int = 1
-
-    def __post_init__(self) -> None:
-        if self.lr <= 0:
-            raise ValueError(f"optim.lr must be > 0, got {self.lr}")
-        if self.total_steps < 1:
-            raise ValueError(f"optim.total_steps must be >= 1, got {self.total_steps}")
-        if self.warmup_steps < 0:  # a warmup longer than the run is allowed: LR ramps throughout
-            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}")
-        if self.schedule not in ("cosine", "constant"):
-            raise ValueError(f"optim.schedule must be 'cosine' or 'constant', got {self.schedule!r}")
-        if not 0.0 <= self.min_lr_ratio <= 1.0:
-            raise ValueError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if self.max_grad_norm <= 0:
-            raise ValueError(f"optim.max_grad_norm must be > 0, got {self.max_grad_norm}")
-        if self.grad_accum_steps < 1:
-            raise ValueError(f"optim.grad_accum_steps must be >= 1, got {self.grad_accum_steps}")
+ADAM_BETAS = (0.9, 0.95)
+ADAM_EPS = 1e-8
 
 
 def lr_multiplier(optim: OptimConfig) -> Callable[[int], float]:
-    """LR factor for the `step`-th optimizer update (0-based): linear warmup, then cosine to min_lr_ratio."""
+    """LR factor for the `step`-th optimizer update (0-based), as LambdaLR wants it."""
 
     def factor(step: int) -> float:
-        if step < optim.warmup_steps:
-            return (step + 1) / optim.warmup_steps
-        if optim.schedule == "constant":
-            return 1.0
-        decay_steps = max(1, optim.total_steps - optim.warmup_steps)
-        progress = min(1.0, (step - optim.warmup_steps) / decay_steps)
-        return optim.min_lr_ratio + (1.0 - optim.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        return lr_factor(
+            step,
+            warmup_steps=optim.warmup_steps,
+            total_steps=optim.max_steps,
+            min_lr_ratio=optim.min_lr_ratio,
+            schedule=optim.schedule,
+        )
 
     return factor
 
@@ -72,7 +43,7 @@ def build_optimizer(
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """torch AdamW and its LambdaLR schedule (the same objects for both backends)."""
     optimizer = torch.optim.AdamW(
-        params, lr=optim.lr, betas=tuple(optim.betas), eps=optim.eps, weight_decay=optim.weight_decay
+        params, lr=optim.lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=optim.weight_decay
     )
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(optim))
 
@@ -100,10 +71,7 @@ class Backend(ABC):
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("call dflash2.distributed.init_distributed() before building a backend")
-        if micro_batch_size < 1 or grad_accum_steps < 1:
-            raise ValueError(
-                f"micro_batch_size ({micro_batch_size}) and grad_accum_steps ({grad_accum_steps}) must be >= 1"
-            )
+        assert micro_batch_size >= 1 and grad_accum_steps >= 1, "validated by the run config"
         # rank and size among the draft's data-parallel ranks (the whole world unless draft_group is set):
         # what data sharding, checkpoint files and rank-0-only writes go by
         self.rank = dist.get_rank(draft_group)
@@ -141,15 +109,6 @@ class Backend(ABC):
             logits_to_keep=1,
         )
         return out.hidden_states
-
-    def _check_draft_args(self, optim: OptimConfig, precision: str) -> None:
-        if precision not in ("fp32", "bf16"):
-            raise ValueError(f"precision must be 'fp32' or 'bf16', got {precision!r}")
-        if optim.grad_accum_steps != self.grad_accum_steps:
-            raise ValueError(
-                f"optim.grad_accum_steps={optim.grad_accum_steps} but the backend was built with "
-                f"grad_accum_steps={self.grad_accum_steps}"
-            )
 
     @abstractmethod
     def setup_draft(

@@ -13,8 +13,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
 
+from dflash2.config import OptimConfig
 from dflash2.distributed import state_io
-from dflash2.distributed.base import Backend, OptimConfig, build_optimizer
+from dflash2.distributed.base import Backend, build_optimizer
 from dflash2.distributed.ds_config import set_ds_value
 from dflash2.models.target_head import TargetHead
 
@@ -93,7 +94,6 @@ class DeepSpeedBackend(Backend):
     def setup_draft(
         self, draft: nn.Module, optim: OptimConfig, precision: Literal["fp32", "bf16"]
     ) -> nn.Module:
-        self._check_draft_args(optim, precision)
         config = copy.deepcopy(self.ds_config)
         set_ds_value(config, "gradient_clipping", optim.max_grad_norm, source="optim.max_grad_norm")
         set_ds_value(config, "bf16.enabled", precision == "bf16", source=f"precision={precision!r}")

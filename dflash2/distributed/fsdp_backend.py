@@ -13,8 +13,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
+from dflash2.config import OptimConfig
 from dflash2.distributed import state_io
-from dflash2.distributed.base import Backend, OptimConfig, build_optimizer, sharded_block_types
+from dflash2.distributed.base import Backend, build_optimizer, sharded_block_types
 from dflash2.models.target_head import TargetHead
 
 
@@ -81,7 +82,6 @@ class FSDPBackend(Backend):
     def setup_draft(
         self, draft: nn.Module, optim: OptimConfig, precision: Literal["fp32", "bf16"]
     ) -> nn.Module:
-        self._check_draft_args(optim, precision)
         # fp32 master weights; bf16 only for compute, gradients reduced in fp32
         mp_policy = None
         if precision == "bf16":

@@ -21,7 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from dflash2 import checkpoint  # noqa: E402
 from dflash2.checkpoint import find_latest, load_checkpoint  # noqa: E402
-from dflash2.distributed import OptimConfig, build_backend, init_distributed, shutdown_distributed  # noqa: E402
+from dflash2.config import OptimConfig  # noqa: E402
+from dflash2.distributed import build_backend, init_distributed, shutdown_distributed  # noqa: E402
 from tests.dist_scripts.tiny import StandInDraft, micro_batch, weighted_loss_sum  # noqa: E402
 
 MICRO_BATCH_SIZE = 3
@@ -80,14 +81,7 @@ def draw_seed() -> int:
 
 
 def train(backend, args, out: Path) -> None:
-    optim = OptimConfig(
-        lr=1e-2,
-        total_steps=args.steps,
-        warmup_steps=1,
-        weight_decay=0.01,
-        max_grad_norm=0.5,
-        grad_accum_steps=2,
-    )
+    optim = OptimConfig(lr=1e-2, max_steps=args.steps, warmup_steps=1, weight_decay=0.01, max_grad_norm=0.5)
     torch.manual_seed(0)  # the same initial draft on every rank
     draft = backend.setup_draft(StandInDraft(), optim, args.precision)
     initial = backend.full_draft_state_dict()
