@@ -25,6 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from dflash2.checkpoint import DRAFT_CONFIG, DRAFT_WEIGHTS, holds_draft, read_draft
 from dflash2.config import torch_dtype
+from dflash2.hf_weights import SINGLE_FILE, tensor_files
 from dflash2.models.config import (
     REQUIRED_BACKBONE_KEYS,
     draft_value,
@@ -36,8 +37,7 @@ from dflash2.models.config import (
 )
 
 CONFIG_NAME = "config.json"
-WEIGHTS_NAME = "model.safetensors"
-WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+WEIGHTS_NAME = SINGLE_FILE
 
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
 # safetensors header dtype codes -> the names config.json uses.
@@ -128,13 +128,8 @@ def _expected_or_problem(cfg: dict, problems: list[str]) -> dict[str, tuple[int,
 
 
 def _weight_files(path: Path) -> list[Path]:
-    if (path / WEIGHTS_NAME).is_file():
-        return [path / WEIGHTS_NAME]
-    if (path / WEIGHTS_INDEX_NAME).is_file():
-        with open(path / WEIGHTS_INDEX_NAME) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        return [path / shard for shard in shards]
-    return []
+    files = tensor_files(path)
+    return sorted(set(files.values())) if files else []
 
 
 def read_tensor_meta(files: list[Path]) -> dict[str, tuple[tuple[int, ...], str]]:

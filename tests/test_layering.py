@@ -20,6 +20,7 @@ LAYERS = {
     "dflash2.config": 0,
     "dflash2.identity": 0,
     "dflash2.schedule": 0,
+    "dflash2.hf_weights": 0,
     "dflash2.models": 1,
     "dflash2.data": 1,
     "dflash2.distributed": 2,

@@ -6,33 +6,24 @@ the trainer ranks of the disaggregated topology.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from dflash2.models.target_head import TargetHead
-
-SINGLE_FILE = "model.safetensors"
-INDEX_FILE = "model.safetensors.index.json"
+from dflash2.hf_weights import INDEX_FILE, SINGLE_FILE, tensor_files
+from dflash2.models.target_head import TargetHead, head_modules
 
 
 def checkpoint_files(target_dir: str | Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file that holds it (one file, or shards named by an index json)."""
-    target_dir = Path(target_dir)
-    index = target_dir / INDEX_FILE
-    if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return {name: target_dir / file for name, file in weight_map.items()}
-    single = target_dir / SINGLE_FILE
-    if single.is_file():
-        with safe_open(str(single), framework="pt") as f:
-            return {name: single for name in f.keys()}
-    raise ValueError(
-        f"model.target={str(target_dir)!r} has neither {SINGLE_FILE} nor {INDEX_FILE}; "
-        "point it at a Hugging Face directory saved with safetensors"
-    )
+    """Tensor name -> the safetensors file of the target that holds it."""
+    files = tensor_files(target_dir)
+    if files is None:
+        raise ValueError(
+            f"model.target={str(target_dir)!r} has neither {SINGLE_FILE} nor {INDEX_FILE}; "
+            "point it at a Hugging Face directory saved with safetensors"
+        )
+    return files
 
 
 def target_num_parameters(target_dir: str | Path) -> int:
@@ -54,12 +45,10 @@ def _head_tensor_names(target_dir: str | Path) -> tuple[str, str, bool]:
     with torch.device("meta"):  # no memory: only the module names are wanted
         model = AutoModelForCausalLM.from_config(config)
     module_names = {id(module): name for name, module in model.named_modules()}
-    head = model.get_output_embeddings()
-    if head is None:
-        raise ValueError(f"{type(model).__name__} has no LM head; model.target must be a causal LM")
+    embed, head = head_modules(model)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     tied = bool(getattr(text_config, "tie_word_embeddings", False))
-    return f"{module_names[id(model.get_input_embeddings())]}.weight", module_names[id(head)], tied
+    return f"{module_names[id(embed)]}.weight", module_names[id(head)], tied
 
 
 def _read(files: dict[str, Path], name: str) -> torch.Tensor:

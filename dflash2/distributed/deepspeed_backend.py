@@ -17,7 +17,7 @@ from dflash2.config import OptimConfig
 from dflash2.distributed import state_io
 from dflash2.distributed.base import Backend, build_optimizer
 from dflash2.distributed.ds_config import set_ds_value
-from dflash2.models.target_head import TargetHead
+from dflash2.models.target_head import TargetHead, head_tensors
 
 
 class _Zero3Config:
@@ -74,19 +74,11 @@ class DeepSpeedBackend(Backend):
         return engine
 
     def target_head(self, target: nn.Module, dtype: torch.dtype) -> TargetHead:
-        module = _unwrap(target)
-        embed = module.get_input_embeddings().weight
-        head = module.get_output_embeddings()
-        if head is None:
-            raise ValueError("the target has no output embeddings (LM head); pass a *ForCausalLM model")
-        bias = getattr(head, "bias", None)
+        tensors = head_tensors(_unwrap(target))
         # a tied LM head is the embedding itself: gather each parameter once
-        params = list({id(p): p for p in (embed, head.weight, bias) if p is not None}.values())
+        params = list({id(p): p for p in tensors if p is not None}.values())
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
-            copies = [
-                None if p is None else p.detach().clone().to(self.device, dtype)
-                for p in (embed, head.weight, bias)
-            ]
+            copies = [None if p is None else p.detach().clone().to(self.device, dtype) for p in tensors]
         return TargetHead(*copies)
 
     # ---- draft --------------------------------------------------------------------------------------

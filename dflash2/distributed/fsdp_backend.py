@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from dflash2.config import OptimConfig
 from dflash2.distributed import state_io
 from dflash2.distributed.base import Backend, build_optimizer, sharded_block_types
-from dflash2.models.target_head import TargetHead
+from dflash2.models.target_head import TargetHead, head_tensors
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -69,11 +69,7 @@ class FSDPBackend(Backend):
         return model.to(self.device)
 
     def target_head(self, target: nn.Module, dtype: torch.dtype) -> TargetHead:
-        head = target.get_output_embeddings()
-        if head is None:
-            raise ValueError("the target has no output embeddings (LM head); pass a *ForCausalLM model")
-        bias = getattr(head, "bias", None)
-        tensors = (target.get_input_embeddings().weight, head.weight, bias)
+        tensors = head_tensors(target)
         copies = [None if t is None else _full(t.detach()).clone().to(self.device, dtype) for t in tensors]
         return TargetHead(*copies)
 

@@ -7,6 +7,23 @@ from torch import nn
 from torch.nn import functional as F
 
 
+def head_modules(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """(input embedding, LM head) modules of a Hugging Face causal LM (sharded or not)."""
+    head = model.get_output_embeddings()
+    if head is None:
+        raise ValueError(
+            f"{type(model).__name__} has no output embeddings (LM head); model.target must be a causal LM "
+            "(a *ForCausalLM or *ForConditionalGeneration checkpoint)"
+        )
+    return model.get_input_embeddings(), head
+
+
+def head_tensors(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(embedding weight [V, H], LM head weight [V, H], LM head bias [V] or None) of a causal LM."""
+    embed, head = head_modules(model)
+    return embed.weight, head.weight, getattr(head, "bias", None)
+
+
 class TargetHead(nn.Module):
     """Frozen copies of the target's input embedding [V, H] and LM head [V, H] (+ optional bias).
 
@@ -46,10 +63,6 @@ class TargetHead(nn.Module):
     @classmethod
     def from_target(cls, target: nn.Module, dtype: torch.dtype | None = None) -> TargetHead:
         """Copy the embedding and LM head out of an unsharded Hugging Face causal LM."""
-        embed = target.get_input_embeddings().weight
-        head = target.get_output_embeddings()
-        if head is None:
-            raise ValueError("the target has no output embeddings (LM head); pass a *ForCausalLM model")
-        bias = getattr(head, "bias", None)
+        embed, weight, bias = head_tensors(target)
         cast = (lambda t: t.detach().clone().to(dtype)) if dtype else (lambda t: t.detach().clone())
-        return cls(cast(embed), cast(head.weight), None if bias is None else cast(bias))
+        return cls(cast(embed), cast(weight), None if bias is None else cast(bias))

@@ -1,0 +1,27 @@
+"""Which safetensors file of a Hugging Face model directory holds each tensor: one
+`model.safetensors`, or the shards named by `model.safetensors.index.json`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from safetensors import safe_open
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def tensor_files(model_dir: str | Path) -> dict[str, Path] | None:
+    """Tensor name -> the file that holds it (headers only, no tensor is read); None when the
+    directory has neither file."""
+    model_dir = Path(model_dir)
+    single = model_dir / SINGLE_FILE
+    if single.is_file():
+        with safe_open(str(single), framework="pt") as f:
+            return {name: single for name in f.keys()}
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: model_dir / file for name, file in weight_map.items()}
+    return None
