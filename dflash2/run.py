@@ -25,12 +25,12 @@ import torch
 import torch.distributed as dist
 from transformers import AutoConfig, AutoTokenizer
 
-from dflash2.capture.features import extract_features
+from dflash2.capture.features import capture_samples
 from dflash2.capture.offline import OfflineFeatures, capture_to_dir, draft_layer_ids, feature_identity
 from dflash2.capture.transfer import FeatureReceiver, FeatureSender, capture_schedule
 from dflash2.checkpoint import read_train_state, resume_point
 from dflash2.config import RunConfig, save_run_config
-from dflash2.data.loader import collate, micro_batches, pad_token_id_of
+from dflash2.data.loader import micro_batches, pad_token_id_of
 from dflash2.data.prepare import build_dataset
 from dflash2.distributed import Backend, build_backend, init_distributed, shutdown_distributed
 from dflash2.distributed.base import local_parameter_numel
@@ -192,11 +192,9 @@ def run_capture_rank(
         for row in rounds:
             trainer = row[backend.rank]
             indices = next(streams[trainer])[2] if trainer is not None else []
-            samples = [dataset[i] for i in indices] or [{"input_ids": [pad_id], "loss_mask": [0]}]
-            batch = collate(samples, pad_id)
-            hidden = backend.target_hidden_states(target, batch["input_ids"], batch["attention_mask"])
+            features = capture_samples(backend, target, dataset, indices, layer_ids, pad_id)
             if trainer is not None:
-                sender.send(num_capture + trainer, indices, extract_features(hidden, layer_ids))
+                sender.send(num_capture + trainer, indices, features)
     sender.close()
 
 

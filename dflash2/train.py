@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash2.capture.features import FeatureSource, extract_features
+from dflash2.capture.features import FeatureSource, target_features
 from dflash2.capture.head import load_target_head, target_num_parameters
 from dflash2.checkpoint import TrainState, load_checkpoint, resume_point, save_checkpoint
 from dflash2.config import RunConfig, torch_dtype
@@ -137,8 +137,7 @@ def build_setup(cfg: RunConfig, backend: Backend, features: FeatureSource | None
 def capture_features(setup: Setup, batch: dict, indices: list[int]) -> torch.Tensor:
     if setup.features is not None:
         return setup.features.batch(indices, batch["input_ids"].shape[1])
-    hidden = setup.backend.target_hidden_states(setup.target, batch["input_ids"], batch["attention_mask"])
-    return extract_features(hidden, setup.layer_ids)
+    return target_features(setup.backend, setup.target, batch, setup.layer_ids)
 
 
 def train_step(setup: Setup, micro: list[list[int]], epochs: list[int], seed: int) -> tuple[dict, dict]:

@@ -6,6 +6,10 @@ from collections.abc import Sequence
 from typing import Protocol
 
 import torch
+from torch import nn
+
+from dflash2.data.loader import collate
+from dflash2.distributed.base import Backend
 
 
 class FeatureSource(Protocol):
@@ -31,3 +35,26 @@ def extract_features(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[
             f"(valid ids: 0..{num_layers - 1}); fix dflash_config.target_layer_ids in the draft config"
         )
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+def target_features(
+    backend: Backend, target: nn.Module, batch: dict, layer_ids: Sequence[int]
+) -> torch.Tensor:
+    """One forward of the frozen target over a collated batch -> features [b, S, K*H] (collective
+    over the target's group)."""
+    hidden = backend.target_hidden_states(target, batch["input_ids"], batch["attention_mask"])
+    return extract_features(hidden, layer_ids)
+
+
+def capture_samples(
+    backend: Backend,
+    target: nn.Module,
+    dataset,
+    indices: list[int],
+    layer_ids: Sequence[int],
+    pad_token_id: int,
+) -> torch.Tensor:
+    """Collate `dataset[indices]` and capture their features [b, S, K*H]. A rank with no samples in
+    this round still joins the collective forward, on a one-token padding batch."""
+    samples = [dataset[i] for i in indices] or [{"input_ids": [pad_token_id], "loss_mask": [0]}]
+    return target_features(backend, target, collate(samples, pad_token_id), layer_ids)

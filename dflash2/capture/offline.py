@@ -21,9 +21,8 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dflash2.capture.features import extract_features
+from dflash2.capture.features import capture_samples
 from dflash2.config import RunConfig
-from dflash2.data.loader import collate
 from dflash2.distributed import Backend
 from dflash2.identity import data_identity, target_identity, tokenizer_identity
 from dflash2.models.config import check_draft_config, draft_value, load_config_dict
@@ -106,11 +105,7 @@ def capture_dataset(
     writer = _ShardWriter(out_dir, backend.rank, shard_bytes)
     rounds = _capture_rounds(len(dataset), backend.rank, backend.world_size, batch_size)
     for indices in rounds:
-        # a rank with no samples left still joins the collective forward, on a one-token batch
-        samples = [dataset[i] for i in indices] or [{"input_ids": [pad_token_id], "loss_mask": [0]}]
-        batch = collate(samples, pad_token_id)
-        hidden = backend.target_hidden_states(target, batch["input_ids"], batch["attention_mask"])
-        features = extract_features(hidden, layer_ids).cpu()
+        features = capture_samples(backend, target, dataset, indices, layer_ids, pad_token_id).cpu()
         for row, index in enumerate(indices):
             writer.add(index, features[row, : len(dataset[index]["input_ids"])].clone())
     writer.flush()
