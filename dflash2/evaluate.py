@@ -36,6 +36,8 @@ import torch
 from torch import nn
 
 from dflash2.capture import extract_features
+from dflash2.data.jsonl import SampleError, iter_lines, parse_sample, prompt_turns
+from dflash2.data.render import encode_prompt, stop_token_ids
 from dflash2.models import TargetHead, load_draft
 from dflash2.models.draft import DFlashDraftModel
 
@@ -256,48 +258,17 @@ def target_generate(
 def read_prompts(data_jsonl: str | Path, num_prompts: int) -> list[list[dict[str, str]]]:
     """The first `num_prompts` conversations of a training_jsonl file, each cut before its first
     assistant turn (the prompt a server would receive)."""
-    from dflash2.data.jsonl import SampleError, iter_lines, parse_sample
-
     prompts = []
     for line_number, line in iter_lines(data_jsonl):
         if len(prompts) == num_prompts:
             break
         try:
-            messages = parse_sample(line, line_number).messages
+            prompts.append(prompt_turns(parse_sample(line, line_number).messages))
         except SampleError as error:
             raise ValueError(f"{data_jsonl}:{line_number}: {error}") from None
-        first_reply = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        if first_reply == 0:
-            raise ValueError(
-                f"{data_jsonl}:{line_number}: the conversation starts with an assistant turn, so it has no "
-                "prompt; put a user turn first"
-            )
-        prompts.append(messages[:first_reply])
     if not prompts:
         raise ValueError(f"{data_jsonl}: no conversations found")
     return prompts
-
-
-def encode_prompt(
-    messages: list[dict[str, str]], tokenizer, chat_template_kwargs: dict | None = None
-) -> list[int]:
-    from dflash2.data.render import render_text
-
-    text = render_text(messages, tokenizer, chat_template_kwargs, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def stop_token_ids_of(tokenizer) -> list[int]:
-    """The tokenizer's eos token and `<|im_end|>` (when the vocabulary has it)."""
-    ids = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    if im_end is not None and im_end != tokenizer.unk_token_id:
-        ids.add(int(im_end))
-    if not ids:
-        raise ValueError("the tokenizer has neither an eos token nor <|im_end|>: no way to end a generation")
-    return sorted(ids)
 
 
 # ------------------------------------------------------------------ summary
@@ -458,7 +429,7 @@ def evaluate(
         prompts,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
-        stop_token_ids=stop_token_ids_of(tokenizer),
+        stop_token_ids=stop_token_ids(tokenizer, target),
         seed=seed,
     )
     summary.update(

@@ -30,8 +30,9 @@ from pathlib import Path
 import torch
 
 from dflash2.config import load_run_config
-from dflash2.data.jsonl import SampleError, iter_lines, parse_sample
-from dflash2.evaluate import encode_prompt, speculative_generate, stop_token_ids_of, target_generate
+from dflash2.data.jsonl import SampleError, iter_lines, parse_sample, prompt_turns
+from dflash2.data.render import encode_prompt, stop_token_ids
+from dflash2.evaluate import speculative_generate, target_generate
 
 GATE_DIR_NAME = "serving_gate"
 DATA_NAME = "gate_data.jsonl"
@@ -60,12 +61,9 @@ def select_samples(data_jsonl: str | Path, num_samples: int) -> list[dict]:
     for line_number, line in iter_lines(data_jsonl):
         try:
             sample = parse_sample(line, line_number)
+            prompt_turns(sample.messages)  # the gate decodes a sample's prompt
         except SampleError as error:
             raise ValueError(f"{data_jsonl}:{line_number}: {error}") from None
-        if sample.messages[0]["role"] == "assistant":
-            raise ValueError(
-                f"{data_jsonl}:{line_number}: starts with an assistant turn; the gate needs a prompt"
-            )
         samples.append({"id": sample.id, "conversations": sample.messages})
         if len(samples) == num_samples:
             return samples
@@ -122,11 +120,6 @@ def train_overrides(
     return [*GATE_OVERRIDES, f"train.warmup_steps={min(10, steps)}", *user, *forced]
 
 
-def first_prompt(sample: dict) -> list[dict[str, str]]:
-    turns = sample["conversations"]
-    return turns[: next(i for i, turn in enumerate(turns) if turn["role"] == "assistant")]
-
-
 def decode_check(
     export_dir: Path, target, tokenizer, sample: dict, max_new_tokens: int, template_kwargs
 ) -> dict:
@@ -137,8 +130,8 @@ def decode_check(
     draft = load_draft(export_dir, dtype=torch.float32)
     head = TargetHead.from_target(target, dtype=torch.float32)
     block_size = draft.block_size
-    prompt = encode_prompt(first_prompt(sample), tokenizer, template_kwargs)
-    stop_ids = stop_token_ids_of(tokenizer)
+    prompt = encode_prompt(prompt_turns(sample["conversations"]), tokenizer, template_kwargs)
+    stop_ids = stop_token_ids(tokenizer, target)
     reference = target_generate(target, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids)
     result = {
         "block_size": block_size,

@@ -185,3 +185,18 @@ def test_corrupt_complete_line_in_output_is_an_error(tmp_path):
     output.write_text("not json\n")
     with pytest.raises(ValueError, match="out.jsonl:1: not a regenerated record"):
         regenerate_file(source, output, _FakeGenerator())
+
+
+def test_stop_ids_are_what_the_server_stops_on(tiny_tokenizer):
+    """The tokenizer's eos (<|im_end|> = 2 here), the target config's and generation config's eos
+    ids (SGLang stops on all of them), and <|im_end|>; regeneration uses exactly these."""
+    from types import SimpleNamespace
+
+    from dflash2.data.render import stop_token_ids
+
+    target = SimpleNamespace(
+        config=SimpleNamespace(eos_token_id=0), generation_config=SimpleNamespace(eos_token_id=[2, 5])
+    )
+    assert stop_token_ids(tiny_tokenizer) == [2]
+    assert stop_token_ids(tiny_tokenizer, target) == [0, 2, 5]
+    assert LocalTargetGenerator(target, tiny_tokenizer, max_new_tokens=4).stop_ids == {0, 2, 5}

@@ -59,6 +59,18 @@ def parse_sample(line: str, line_number: int) -> Sample:
     return Sample(line_number=line_number, id=str(sample_id), messages=messages)
 
 
+def prompt_turns(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The turns before the first assistant reply: the prompt a server receives. SampleError when the
+    conversation starts with a reply (parse_sample guarantees that it has one)."""
+    first_reply = next(i for i, turn in enumerate(messages) if turn["role"] == "assistant")
+    if first_reply == 0:
+        raise SampleError(
+            "no_prompt",
+            "the conversation starts with an assistant turn, so it has no prompt; put a user turn first",
+        )
+    return messages[:first_reply]
+
+
 def _messages_of(record: dict) -> list:
     keys = [key for key in ("conversations", "messages") if key in record]
     if not keys:

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from dflash2.data.jsonl import Sample, SampleError, iter_lines, parse_sample
-from dflash2.data.render import render_text
+from dflash2.data.render import encode_prompt, stop_token_ids
 
 logger = logging.getLogger(__name__)
 Messages = list[dict[str, str]]
@@ -51,17 +51,15 @@ class LocalTargetGenerator:
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
         self.chat_template_kwargs = chat_template_kwargs or {}
-        self.stop_ids = _stop_ids(model, tokenizer)
+        self.stop_ids = set(stop_token_ids(tokenizer, model))
+        if tokenizer.pad_token_id is None:
+            raise ValueError(
+                "the tokenizer has no pad_token; set one (e.g. its eos token) before batched generation"
+            )
 
     @torch.no_grad()
     def generate(self, histories: Sequence[Messages]) -> list[str]:
-        prompts = [
-            self.tokenizer(
-                render_text(history, self.tokenizer, self.chat_template_kwargs, add_generation_prompt=True),
-                add_special_tokens=False,
-            )["input_ids"]
-            for history in histories
-        ]
+        prompts = [encode_prompt(history, self.tokenizer, self.chat_template_kwargs) for history in histories]
         input_ids, attention_mask = _left_pad(prompts, self.tokenizer.pad_token_id)
         device = next(self.model.parameters()).device
         output = self.model.generate(
@@ -78,20 +76,6 @@ class LocalTargetGenerator:
         """Decode up to (not including) the first stop token."""
         end = next((i for i, token in enumerate(new_ids) if token in self.stop_ids), len(new_ids))
         return self.tokenizer.decode(new_ids[:end], skip_special_tokens=False)
-
-
-def _stop_ids(model: Any, tokenizer: Any) -> set[int]:
-    """The tokenizer's eos plus every eos id in the model's generation config."""
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    configured = configured if isinstance(configured, list) else [configured]
-    stop_ids = {token for token in [tokenizer.eos_token_id, *configured] if token is not None}
-    if not stop_ids:
-        raise ValueError("neither the tokenizer nor the model's generation config defines an eos token")
-    if tokenizer.pad_token_id is None:
-        raise ValueError(
-            "the tokenizer has no pad_token; set one (e.g. its eos token) before batched generation"
-        )
-    return stop_ids
 
 
 def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,8 @@ from typing import Any
 
 from dflash2.data.jsonl import SampleError
 
+IM_END = "<|im_end|>"  # the end-of-turn marker of ChatML templates (Qwen)
+
 
 def render_text(
     messages: list[dict[str, str]],
@@ -23,6 +25,36 @@ def render_text(
     return tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
     )
+
+
+def encode_prompt(
+    messages: list[dict[str, str]], tokenizer: Any, chat_template_kwargs: dict[str, Any] | None = None
+) -> list[int]:
+    """The token ids a server feeds the target for `messages`: the chat template with the
+    generation prompt (the assistant header) appended."""
+    text = render_text(messages, tokenizer, chat_template_kwargs, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def stop_token_ids(tokenizer: Any, target: Any = None) -> list[int]:
+    """The ids that end a reply, decided as the server decides them: the tokenizer's eos, the eos ids
+    of the target's config and generation config (SGLang stops on all of them), and <|im_end|> when
+    the vocabulary has it. Regeneration, evaluation and the serving gate all stop on these."""
+    ids = set() if tokenizer.eos_token_id is None else {int(tokenizer.eos_token_id)}
+    for config in (getattr(target, "config", None), getattr(target, "generation_config", None)):
+        configured = getattr(config, "eos_token_id", None)
+        ids.update(
+            int(t) for t in (configured if isinstance(configured, list) else [configured]) if t is not None
+        )
+    im_end = tokenizer.convert_tokens_to_ids(IM_END)
+    if im_end is not None and im_end != tokenizer.unk_token_id:
+        ids.add(int(im_end))
+    if not ids:
+        raise ValueError(
+            f"no token ends a reply: the tokenizer has no eos token or {IM_END}, and the target's config and "
+            "generation config name no eos_token_id; set eos_token_id in the target's generation_config.json"
+        )
+    return sorted(ids)
 
 
 def render_with_loss_mask(
