@@ -393,10 +393,6 @@ def plan_run(cfg: RunConfig, *, world_size: int, target_config, device_gb: float
                 "lower train.micro_batch_size, data.max_length or objective.num_anchors, add ranks, "
                 "or offload (ds_configs/zero3_offload.json)"
             )
-    if cfg.backend == "deepspeed" and num_capture:
-        plan.warnings.append(
-            "the deepspeed backend shards over the whole world; disaggregated runs need backend=fsdp"
-        )
     return plan
 
 

@@ -110,17 +110,12 @@ def run_offline_capture(cfg: RunConfig, out_dir: str | Path, *, batch_size: int,
 # ------------------------------------------------------------------ disaggregated
 
 
-def check_disaggregated(cfg: RunConfig, world_size: int | None = None) -> None:
-    """Refuse what this topology cannot run (before any process group starts when world_size is None)."""
-    if cfg.backend != "fsdp":
+def check_capture_ranks(capture_ranks: int, world_size: int) -> None:
+    """At least one capture rank and one trainer rank (the run config has checked the rest of the
+    topology: backend=fsdp, capture_ranks >= 1)."""
+    if not 1 <= capture_ranks < world_size:
         raise ValueError(
-            f"topology=disaggregated needs backend=fsdp (got backend={cfg.backend}): the target is sharded over the "
-            "capture ranks only and the draft over the trainer ranks only, and the deepspeed backend partitions "
-            "over the whole world (zero.Init and deepspeed.initialize take no sub-group here); set backend=fsdp"
-        )
-    if world_size is not None and not 1 <= cfg.capture_ranks < world_size:
-        raise ValueError(
-            f"capture_ranks={cfg.capture_ranks} must be in [1, {world_size - 1}] for {world_size} processes: "
+            f"capture_ranks={capture_ranks} must be in [1, {world_size - 1}] for {world_size} processes: "
             "at least one capture rank and one trainer rank (launch more processes or lower capture_ranks)"
         )
 
@@ -134,9 +129,8 @@ def _timeout() -> timedelta:
 
 def run_disaggregated(cfg: RunConfig) -> dict[str, float]:
     """Every rank calls it; returns the trainers' last metrics ({} on capture ranks)."""
-    check_disaggregated(cfg)
     init_distributed(cfg.backend)
-    check_disaggregated(cfg, dist.get_world_size())
+    check_capture_ranks(cfg.capture_ranks, dist.get_world_size())
     num_capture, world_size, timeout = cfg.capture_ranks, dist.get_world_size(), _timeout()
     # every rank creates every group, in the same order
     capture_group = dist.new_group(list(range(num_capture)), timeout=timeout)
