@@ -14,13 +14,14 @@ from pathlib import Path
 import pytest
 
 from dflash2.capture.head import target_num_parameters
-from dflash2.capture.transfer import INJECT_FAILURE_ENV, capture_schedule
+from dflash2.capture.transfer import capture_schedule
 from dflash2.config import load_run_config
 from dflash2.export import check_export
 from dflash2.run import check_capture_ranks
-from tests.run_helpers import TINY_CONFIG, check_ok, launch_train, metrics, tiny_subset
+from tests.run_helpers import REPO, TINY_CONFIG, check_ok, launch_train, metrics, run, tiny_subset, torchrun
 
 CRASH_BOUND_S = 120  # a crashed rank must end the job well before any process-group timeout
+FAILING_TRAINER = REPO / "tests" / "dist_scripts" / "train_failing_trainer.py"
 
 
 def losses(run_dir: Path) -> list[float]:
@@ -91,16 +92,16 @@ def test_disaggregated_matches_colocated_across_a_resume_and_trainers_hold_no_ta
 
 def test_a_crashed_trainer_stops_the_whole_job(common, tmp_path):
     start = time.monotonic()
-    result = launch_train(
-        3,
-        [
-            *common,
-            f"output_dir={tmp_path}",
-            "topology=disaggregated",
-            "capture_ranks=1",
-            "train.export=false",
-        ],
-        extra_env={INJECT_FAILURE_ENV: "2:2"},  # global rank 2 (trainer 1) fails at its second micro-batch
+    overrides = [
+        *common,
+        f"output_dir={tmp_path}",
+        "topology=disaggregated",
+        "capture_ranks=1",
+        "train.export=false",
+    ]
+    # global rank 2 (trainer 1) fails at its second micro-batch
+    result = run(
+        [*torchrun(3), str(FAILING_TRAINER), "--fail-at", "2:2", "--config", str(TINY_CONFIG), *overrides]
     )
     elapsed = time.monotonic() - start
     assert result.returncode != 0

@@ -11,7 +11,6 @@ to train on.
 from __future__ import annotations
 
 import math
-import os
 import queue
 import threading
 from collections import deque
@@ -20,8 +19,6 @@ import torch
 import torch.distributed as dist
 
 PREFETCH_DEPTH = 2
-# Test hook: "<global rank>:<n>" makes that trainer fail when it asks for its n-th micro-batch.
-INJECT_FAILURE_ENV = "DFLASH2_INJECT_FAILURE"
 HEADER_FIELDS = 4  # b, S, D (feature bytes per position), dtype code; then b sample indices
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
@@ -95,7 +92,6 @@ class FeatureReceiver:
         self.header_size = HEADER_FIELDS + micro_batch_size
         self.queue: queue.Queue = queue.Queue(maxsize=depth)
         self.num_served = 0
-        self.fail_at = _injected_failure()
         self.thread = threading.Thread(target=self._receive_all, name="feature-receiver", daemon=True)
         self.thread.start()
 
@@ -117,8 +113,6 @@ class FeatureReceiver:
 
     def batch(self, indices: list[int], seq_len: int) -> torch.Tensor:
         self.num_served += 1
-        if self.fail_at == self.num_served:
-            raise RuntimeError(f"injected failure ({INJECT_FAILURE_ENV}) at micro-batch {self.num_served}")
         item = self.queue.get()
         if isinstance(item, Exception):
             raise RuntimeError(f"receiving features from capture rank {self.src} failed: {item}") from item
@@ -134,11 +128,3 @@ class FeatureReceiver:
                 "capture and trainer ranks disagree on the data order"
             )
         return features
-
-
-def _injected_failure() -> int | None:
-    spec = os.environ.get(INJECT_FAILURE_ENV)
-    if not spec:
-        return None
-    rank, micro_batch = spec.split(":")
-    return int(micro_batch) if int(rank) == dist.get_rank() else None
