@@ -29,10 +29,11 @@ from pathlib import Path
 
 import torch
 
-from dflash2.config import load_run_config
+from dflash2.config import RunConfig, load_run_config
 from dflash2.data.jsonl import SampleError, iter_lines, parse_sample, prompt_turns
 from dflash2.data.render import encode_prompt, stop_token_ids
 from dflash2.evaluate import speculative_generate, target_generate
+from dflash2.run import run
 
 GATE_DIR_NAME = "serving_gate"
 DATA_NAME = "gate_data.jsonl"
@@ -213,19 +214,28 @@ def run_gate(
     The gate directory is `<output_dir>/serving_gate` (output_dir from the config and overrides);
     the result goes to `out_json`, default `<gate dir>/serving_gate.json`.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from dflash2.run import run
-
     if steps < 1:
         raise ValueError(f"--steps must be >= 1, got {steps}")
     base = load_run_config(config_path, list(overrides))
     gate_dir = Path(base.output_dir) / GATE_DIR_NAME
     result_path = Path(out_json) if out_json is not None else gate_dir / RESULT_NAME
-    template_kwargs = base.data.chat_template_kwargs
     samples = select_samples(data_jsonl, num_samples)
     prepare_gate_dir(gate_dir)
-    result: dict = {
+    result = new_result(result_path, num_samples, steps)
+    try:
+        run_stages(result, config_path, overrides, base, samples, steps, max_new_tokens)
+    except Exception as error:  # recorded in the result (a gate must always report), then re-raised
+        result["errors"].append(f"{type(error).__name__}: {error}")
+        write_result(result, result_path)
+        raise
+    judge(result)
+    write_result(result, result_path)
+    return result
+
+
+def new_result(result_path: Path, num_samples: int, steps: int) -> dict:
+    """The result of a gate that has not decoded anything yet."""
+    return {
         "passed": False,
         "input_format": "training_jsonl",
         "spec_accept_length": 0.0,
@@ -239,46 +249,36 @@ def run_gate(
         "steps": steps,
         "timings_s": {},
     }
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(base.model.target)
-        target = AutoModelForCausalLM.from_pretrained(base.model.target, dtype=torch.float32).eval()
-        samples = _timed(
-            result,
-            "regenerate",
-            regenerate_samples,
-            samples,
-            target,
-            tokenizer,
-            max_new_tokens,
-            template_kwargs,
-        )
-        data_path = gate_dir / DATA_NAME
-        data_path.write_text("".join(json.dumps(s, ensure_ascii=False) + "\n" for s in samples))
-        cfg = load_run_config(
-            config_path, train_overrides(gate_dir, data_path, steps, num_samples, overrides)
-        )
-        metrics = _timed(result, "train", run, cfg)
-        result["train_final_metrics"] = {k: float(v) for k, v in (metrics or {}).items()}
-        decoded = _timed(
-            result,
-            "decode",
-            decode_check,
-            gate_dir / "export",
-            target,
-            tokenizer,
-            samples[0],
-            max_new_tokens,
-            template_kwargs,
-        )
-        result["errors"] += decoded.pop("errors")
-        result.update(decoded)
-    except Exception as error:  # recorded in the result (a gate must always report), then re-raised
-        result["errors"].append(f"{type(error).__name__}: {error}")
-        write_result(result, result_path)
-        raise
-    judge(result)
-    write_result(result, result_path)
-    return result
+
+
+def run_stages(
+    result: dict,
+    config_path: str | Path,
+    overrides: Sequence[str],
+    base: RunConfig,
+    samples: list[dict],
+    steps: int,
+    max_new_tokens: int,
+) -> None:
+    """Regenerate -> train -> decode, each stage timed into `result`, the decode fields merged in.
+    `base` is the user's run config; the gate trains with its own overrides on top (train_overrides)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gate_dir = Path(base.output_dir) / GATE_DIR_NAME
+    template_kwargs = base.data.chat_template_kwargs
+    tokenizer = AutoTokenizer.from_pretrained(base.model.target)
+    target = AutoModelForCausalLM.from_pretrained(base.model.target, dtype=torch.float32).eval()
+    regenerate = (samples, target, tokenizer, max_new_tokens, template_kwargs)
+    samples = _timed(result, "regenerate", regenerate_samples, *regenerate)
+    data_path = gate_dir / DATA_NAME
+    data_path.write_text("".join(json.dumps(s, ensure_ascii=False) + "\n" for s in samples))
+    cfg = load_run_config(config_path, train_overrides(gate_dir, data_path, steps, len(samples), overrides))
+    metrics = _timed(result, "train", run, cfg)
+    result["train_final_metrics"] = {k: float(v) for k, v in (metrics or {}).items()}
+    decode = (gate_dir / "export", target, tokenizer, samples[0], max_new_tokens, template_kwargs)
+    decoded = _timed(result, "decode", decode_check, *decode)
+    result["errors"] += decoded.pop("errors")
+    result.update(decoded)
 
 
 def write_result(result: dict, path: Path) -> None:
