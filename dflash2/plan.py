@@ -330,70 +330,104 @@ def plan_run(cfg: RunConfig, *, world_size: int, target_config, device_gb: float
             f"capture_ranks={num_capture} leaves no trainer rank on {world_size} ranks; raise --world-size"
         )
     draft, target = meta_models(cfg, target_config)
-    draft_counts, target_counts = count_params(draft), count_params(target)
     shapes = step_shapes(cfg, draft)
-    act = DTYPE_BYTES[cfg.precision]
-    target_bytes = DTYPE_BYTES[cfg.model.target_dtype or cfg.precision]
     offload = ds_offload(cfg)
-    num_trainers = world_size - num_capture
-    target_shards = num_capture or world_size
-    vocab = target.get_input_embeddings().weight.shape[0]
+    target_part = target_items(cfg, target, shapes, num_capture or world_size, offload)
+    draft_part = draft_items(cfg, draft, target, shapes, world_size - num_capture, offload)
+    roles = role_plans(target_part, draft_part, world_size, num_capture)
+    header = plan_header(cfg, draft, target, shapes, world_size, num_capture, offload)
+    plan = Plan(header=header, roles=roles, device_bytes=device_gb * GIB)
+    plan.warnings = [
+        f"{role.role} ranks need {role.total() / GIB:.1f} GiB > {device_gb:g} GiB per device: "
+        "lower train.micro_batch_size, data.max_length or objective.num_anchors, add ranks, "
+        "or offload (ds_configs/zero3_offload.json)"
+        for role in roles
+        if role.total() > plan.device_bytes
+    ]
+    return plan
 
-    target_part = [
-        Item("target shards", target_counts.total * target_bytes / target_shards,
-             f"{target_counts.total / 1e9:.2f} B / {target_shards}", "cpu" if offload[0] else "gpu"),
-        Item("target gathered", *gathered_bytes(target_counts, cfg.backend, target_bytes, with_grads=False)),
-        *capture_items(target, shapes, target_bytes, act),
+
+def target_items(
+    cfg: RunConfig, target: nn.Module, shapes: StepShapes, num_shards: int, offload: tuple[bool, bool]
+) -> list[Item]:
+    """What a rank holding a target shard holds for it: the shard, the gathered units, the capture."""
+    counts = count_params(target)
+    target_bytes = DTYPE_BYTES[cfg.model.target_dtype or cfg.precision]
+    return [
+        Item("target shards", counts.total * target_bytes / num_shards,
+             f"{counts.total / 1e9:.2f} B / {num_shards}", "cpu" if offload[0] else "gpu"),
+        Item("target gathered", *gathered_bytes(counts, cfg.backend, target_bytes, with_grads=False)),
+        *capture_items(target, shapes, target_bytes, DTYPE_BYTES[cfg.precision]),
     ]  # fmt: skip
+
+
+def draft_items(
+    cfg: RunConfig,
+    draft: nn.Module,
+    target: nn.Module,
+    shapes: StepShapes,
+    num_shards: int,
+    offload: tuple[bool, bool],
+) -> list[Item]:
+    """What a rank training the draft holds: its state, gathered units, the borrowed head, activations."""
+    counts, act = count_params(draft), DTYPE_BYTES[cfg.precision]
+    vocab = target.get_input_embeddings().weight.shape[0]
     head_numel = sum(
         m.weight.numel() for m in (target.get_input_embeddings(), target.get_output_embeddings())
     )
     supervised = shapes.batch * shapes.num_anchors * (shapes.block_size - 1)
     activations = draft_activation_bytes(shapes, act)
-    draft_part = [
-        *draft_state_items(draft_counts, cfg, num_trainers, offload),
-        Item("draft gathered", *gathered_bytes(draft_counts, cfg.backend, act, with_grads=True)),
+    return [
+        *draft_state_items(counts, cfg, num_shards, offload),
+        Item("draft gathered", *gathered_bytes(counts, cfg.backend, act, with_grads=True)),
         Item("embedding + LM head copy", head_numel * act, f"2 x [{vocab}, {shapes.hidden}], full on every rank"),
         *[Item(f"draft activations: {k}", v, ACTIVATION_NOTES[k]) for k, v in activations.items()],
         logits_item(cfg, vocab, supervised),
     ]  # fmt: skip
-    allowance = Item("runtime allowance", RUNTIME_ALLOWANCE_BYTES, "CUDA context, NCCL, fragmentation")
-    if num_capture:
-        roles = [
-            RolePlan(
-                "capture",
-                num_capture,
-                [*target_part, *sent_features(target_part, num_capture, num_trainers), allowance],
-            ),
-            RolePlan("trainer", num_trainers, [*draft_part, received_features(target_part), allowance]),
-        ]
-    else:
-        roles = [RolePlan("colocated", world_size, [*target_part, *draft_part, allowance])]
 
-    header = [
-        f"backend {cfg.backend}"
-        + (f" (offload param={offload[0]}, optimizer={offload[1]})" if cfg.backend == "deepspeed" else "")
-        + f", precision {cfg.precision}, target dtype {cfg.model.target_dtype or cfg.precision}",
-        f"topology {cfg.topology}: {world_size} ranks"
-        + (
-            f" = {num_capture} capture + {num_trainers} trainer"
-            if num_capture
-            else ", each runs target and draft"
-        ),
-        f"target {type(target).__name__}: {target_counts.total / 1e9:.3f} B parameters, sharded over {target_shards}",
-        f"draft {type(draft).__name__}: {draft_counts.total / 1e9:.3f} B parameters, sharded over {num_trainers}",
+
+def role_plans(
+    target_part: list[Item], draft_part: list[Item], world_size: int, num_capture: int
+) -> list[RolePlan]:
+    """One role holding both parts (colocated), or capture ranks and trainer ranks (disaggregated)."""
+    allowance = Item("runtime allowance", RUNTIME_ALLOWANCE_BYTES, "CUDA context, NCCL, fragmentation")
+    if not num_capture:
+        return [RolePlan("colocated", world_size, [*target_part, *draft_part, allowance])]
+    num_trainers = world_size - num_capture
+    sent = sent_features(target_part, num_capture, num_trainers)
+    return [
+        RolePlan("capture", num_capture, [*target_part, *sent, allowance]),
+        RolePlan("trainer", num_trainers, [*draft_part, received_features(target_part), allowance]),
+    ]
+
+
+def plan_header(
+    cfg: RunConfig,
+    draft: nn.Module,
+    target: nn.Module,
+    shapes: StepShapes,
+    world_size: int,
+    num_capture: int,
+    offload: tuple[bool, bool],
+) -> list[str]:
+    offload_note = (
+        f" (offload param={offload[0]}, optimizer={offload[1]})" if cfg.backend == "deepspeed" else ""
+    )
+    layout = (
+        f" = {num_capture} capture + {world_size - num_capture} trainer"
+        if num_capture
+        else ", each runs target and draft"
+    )
+    target_total, draft_total = count_params(target).total, count_params(draft).total
+    return [
+        f"backend {cfg.backend}{offload_note}, precision {cfg.precision}, "
+        f"target dtype {cfg.model.target_dtype or cfg.precision}",
+        f"topology {cfg.topology}: {world_size} ranks{layout}",
+        f"target {type(target).__name__}: {target_total / 1e9:.3f} B parameters, sharded over {num_capture or world_size}",
+        f"draft {type(draft).__name__}: {draft_total / 1e9:.3f} B parameters, sharded over {world_size - num_capture}",
         f"micro-batch {shapes.batch} x {shapes.seq_len} tokens, {shapes.num_anchors} anchors x block "
         f"{shapes.block_size}, logits chunk {cfg.objective.logits_chunk_rows} rows",
     ]
-    plan = Plan(header=header, roles=roles, device_bytes=device_gb * GIB)
-    for role in roles:
-        if role.total() > plan.device_bytes:
-            plan.warnings.append(
-                f"{role.role} ranks need {role.total() / GIB:.1f} GiB > {device_gb:g} GiB per device: "
-                "lower train.micro_batch_size, data.max_length or objective.num_anchors, add ranks, "
-                "or offload (ds_configs/zero3_offload.json)"
-            )
-    return plan
 
 
 def format_plan(plan: Plan) -> str:
