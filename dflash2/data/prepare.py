@@ -12,18 +12,43 @@ import hashlib
 import json
 import logging
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import datasets
 
 from dflash2.config import DataConfig
-from dflash2.data.jsonl import SampleError, iter_lines, parse_sample
+from dflash2.data.jsonl import Sample, SampleError, iter_lines, parse_sample
 from dflash2.data.render import has_trainable_block, render_with_loss_mask
 
 logger = logging.getLogger(__name__)
 SUMMARY_FILE = "summary.json"
 MAX_REPORTED_ERRORS = 100
+
+
+FEATURES = datasets.Features(
+    {
+        "id": datasets.Value("string"),
+        "input_ids": datasets.Sequence(datasets.Value("int32")),
+        "loss_mask": datasets.Sequence(datasets.Value("int8")),
+    }
+)
+
+
+@dataclass
+class _Tally:
+    """What happened to the lines of a file: the summary's counts."""
+
+    num_lines: int = 0
+    num_truncated: int = 0
+    drops: Counter = field(default_factory=Counter)
+    errors: list[dict[str, Any]] = field(default_factory=list)
+
+    def drop(self, error: SampleError, line_number: int) -> None:
+        self.drops[error.code] += 1
+        if len(self.errors) < MAX_REPORTED_ERRORS:
+            self.errors.append({"line": line_number, "code": error.code, "reason": str(error)})
 
 
 def prepare_dataset(
@@ -44,20 +69,12 @@ def prepare_dataset(
     if max_length < 2:
         raise ValueError(f"max_length must be at least 2 (one anchor and one label), got {max_length}")
     rows: dict[str, list] = {"id": [], "input_ids": [], "loss_mask": []}
-    drops: Counter[str] = Counter()
-    errors: list[dict[str, Any]] = []
+    tally = _Tally()
     first_line_of_id: dict[str, int] = {}
-    num_lines = num_truncated = 0
     for line_number, line in iter_lines(jsonl_path):
-        num_lines += 1
+        tally.num_lines += 1
         try:
-            sample = parse_sample(line, line_number)
-            if sample.id in first_line_of_id:
-                raise SampleError(
-                    "duplicate_id",
-                    f"duplicate id {sample.id!r} (first on line {first_line_of_id[sample.id]})",
-                )
-            first_line_of_id[sample.id] = line_number
+            sample = _parse_unique(line, line_number, first_line_of_id)
             input_ids, loss_mask = render_with_loss_mask(
                 sample.messages, tokenizer, chat_template_kwargs, end_of_turn
             )
@@ -67,41 +84,46 @@ def prepare_dataset(
                     f"{jsonl_path}:{line_number}: {error} (use on_error='skip' to drop such lines)"
                 ) from None
             logger.warning("%s:%d: %s (skipped)", jsonl_path, line_number, error)
-            drops[error.code] += 1
-            if len(errors) < MAX_REPORTED_ERRORS:
-                errors.append({"line": line_number, "code": error.code, "reason": str(error)})
+            tally.drop(error, line_number)
             continue
-        num_truncated += len(input_ids) > max_length
+        tally.num_truncated += len(input_ids) > max_length
         input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
         if not has_trainable_block(loss_mask):
-            drops["no_trainable_block"] += 1
+            tally.drops["no_trainable_block"] += 1
             continue
         rows["id"].append(sample.id)
         rows["input_ids"].append(input_ids)
         rows["loss_mask"].append(loss_mask)
+    summary = _summary(jsonl_path, max_length, chat_template_kwargs, rows, tally)
+    return datasets.Dataset.from_dict(rows, features=FEATURES), summary
 
-    summary = {
+
+def _parse_unique(line: str, line_number: int, first_line_of_id: dict[str, int]) -> Sample:
+    """parse_sample, and a SampleError for an id seen on an earlier line."""
+    sample = parse_sample(line, line_number)
+    if sample.id in first_line_of_id:
+        raise SampleError(
+            "duplicate_id", f"duplicate id {sample.id!r} (first on line {first_line_of_id[sample.id]})"
+        )
+    first_line_of_id[sample.id] = line_number
+    return sample
+
+
+def _summary(jsonl_path, max_length: int, chat_template_kwargs, rows: dict, tally: _Tally) -> dict[str, Any]:
+    return {
         "source": str(jsonl_path),
         "source_sha256": _sha256(jsonl_path),
         "max_length": max_length,
         "chat_template_kwargs": chat_template_kwargs or {},
-        "num_lines": num_lines,
+        "num_lines": tally.num_lines,
         "num_kept": len(rows["id"]),
-        "num_dropped": sum(drops.values()),
-        "dropped_by_reason": dict(sorted(drops.items())),
-        "num_truncated": num_truncated,
+        "num_dropped": sum(tally.drops.values()),
+        "dropped_by_reason": dict(sorted(tally.drops.items())),
+        "num_truncated": tally.num_truncated,
         "num_tokens": sum(map(len, rows["input_ids"])),
         "num_supervised_tokens": sum(map(sum, rows["loss_mask"])),
-        "errors": errors,
+        "errors": tally.errors,
     }
-    features = datasets.Features(
-        {
-            "id": datasets.Value("string"),
-            "input_ids": datasets.Sequence(datasets.Value("int32")),
-            "loss_mask": datasets.Sequence(datasets.Value("int8")),
-        }
-    )
-    return datasets.Dataset.from_dict(rows, features=features), summary
 
 
 def save_prepared(dataset: datasets.Dataset, summary: dict[str, Any], out_dir: str | Path) -> Path:
