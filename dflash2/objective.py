@@ -172,7 +172,9 @@ def _chunk_ce(hidden, weight, bias, labels, row_weights, multiplier, cap, top_k,
 
     Works in place on one [rows, V] fp32 buffer (two with a softcap): the peak is about one logits
     buffer plus logsumexp's temporary. Writes d loss / d hidden into `grad_out` when given.
+    The transform is models.draft.transform_logits (multiply, then softcap), done in place here.
     """
+    # z = h W^T + b in the head's dtype, then fp32: logsumexp over V and the softmax below need it
     u = F.linear(hidden, weight, bias).float()
     if multiplier != 1.0:
         u.mul_(multiplier)
@@ -180,20 +182,29 @@ def _chunk_ce(hidden, weight, bias, labels, row_weights, multiplier, cap, top_k,
     if cap is not None:
         u.div_(cap).tanh_()  # t = tanh(m z / cap)
         if grad_out is not None:
+            # d u / d z for u = cap * tanh(m z / cap): read from t now, before u is scaled back to logits
             du_dz = (u * u).neg_().add_(1).mul_(multiplier)  # m (1 - t^2)
         u.mul_(cap)
     lse = torch.logsumexp(u, dim=-1)
     gold = u.gather(1, labels[:, None])[:, 0]
     loss = (row_weights * (lse - gold)).sum()
+    # The top-k reads the logits, so it must come before the in-place ops below turn the buffer into
+    # the gradient.
     ids = torch.topk(u, top_k, dim=-1).indices
     if grad_out is not None:
+        # CE = logsumexp(u) - u[y], so d CE / d u = softmax(u) - one_hot(y): the softmax overwrites the
+        # logits, then 1 is subtracted at the gold column. Each row is scaled by its weight.
         d = u.sub_(lse[:, None]).exp_()  # softmax, in the logits buffer
         d.scatter_add_(1, labels[:, None], -torch.ones_like(gold[:, None]))
         d.mul_(row_weights[:, None])
+        # Chain rule to z. With a cap, du_dz = m (1 - t^2) already holds the multiplier; without one,
+        # u = m z and d u / d z is the multiplier alone (1: nothing to do).
         if du_dz is not None:
             d.mul_(du_dz)
         elif multiplier != 1.0:
             d.mul_(multiplier)
+        # d loss / d h = (d loss / d z) @ W. d is cast to the head's dtype so that the matmul runs in it
+        # (as the forward did) instead of promoting the whole [V, H] head to an fp32 copy.
         grad_out.copy_(d.to(weight.dtype) @ weight)
     return loss, ids
 

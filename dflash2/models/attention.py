@@ -109,6 +109,9 @@ class DFlashAttention(nn.Module):
 
         scores_ctx = torch.einsum("bhgnid,bhsd->bhgnis", q, k_ctx) * self.scaling
         scores_blk = torch.einsum("bhgnid,bhnjd->bhgnij", q, k_blk) * self.scaling
+        # Masks are built per layer: sliding-window layers see a window of the context and (by
+        # default) only earlier slots of their block, full-attention layers see everything before the
+        # anchor and the whole block. They are cheap boolean tensors, rebuilt from the anchors.
         context_visible, block_visible = layer_masks(
             anchor_positions,
             context_length,
@@ -116,6 +119,9 @@ class DFlashAttention(nn.Module):
             causal=self.causal,
             sliding_window=self.sliding_window,
         )
+        # The most negative finite value, not -inf: a row masked everywhere would be NaN after a softmax
+        # of -inf (and so would its gradient); with finfo.min it stays finite. Every slot sees at least
+        # itself, so exp(min - row max) underflows to exactly 0 and no masked key gets any weight.
         neg = torch.finfo(scores_ctx.dtype).min
         scores_ctx = scores_ctx.masked_fill(~context_visible[:, None, None], neg)
         scores_blk = scores_blk.masked_fill(~block_visible, neg)
