@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash2.config import OptimConfig
+from dflash2.distributed import state_io
 from dflash2.models.target_head import TargetHead
 from dflash2.schedule import lr_factor
 
@@ -149,6 +150,19 @@ class Backend(ABC):
     @abstractmethod
     def load_state(self, ckpt_dir: Path) -> None:
         """Restore what save_state wrote, on the same number of ranks (collective)."""
+
+    def _write_rank_state(self, ckpt_dir: Path, state: dict) -> None:
+        """save_state's files: this rank's `state` under ckpt_dir, the backend meta (rank 0), a barrier."""
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+        state_io.save_state(state, ckpt_dir / f"rank{self.rank:05d}")
+        if self.is_main:
+            state_io.write_backend_meta(ckpt_dir, self.name, self.world_size)
+        self.barrier()
+
+    def _read_rank_state(self, ckpt_dir: Path) -> dict:
+        """This rank's state written by _write_rank_state, after checking backend and world size."""
+        state_io.check_backend_meta(ckpt_dir, self.name, self.world_size)
+        return state_io.load_state(ckpt_dir / f"rank{self.rank:05d}")
 
     def _check_micro_step(self, micro_steps: int) -> None:
         if micro_steps != self.grad_accum_steps:

@@ -14,7 +14,6 @@ from transformers import AutoModelForCausalLM
 from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
 
 from dflash2.config import OptimConfig
-from dflash2.distributed import state_io
 from dflash2.distributed.base import Backend, build_optimizer
 from dflash2.distributed.ds_config import set_ds_value
 from dflash2.models.target_head import TargetHead, head_tensors
@@ -142,7 +141,6 @@ class DeepSpeedBackend(Backend):
 
     def save_state(self, ckpt_dir: Path) -> None:
         engine = self._require_engine()
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
         optimizer_state = engine.optimizer.state_dict()
         optimizer_state.pop("loss_scaler")  # an object; bf16/fp32 training uses no loss scaling
         state = {
@@ -155,15 +153,11 @@ class DeepSpeedBackend(Backend):
                 "skipped_steps": engine.skipped_steps,
             },
         }
-        state_io.save_state(state, ckpt_dir / f"rank{self.rank:05d}")
-        if self.is_main:
-            state_io.write_backend_meta(ckpt_dir, self.name, self.world_size)
-        self.barrier()
+        self._write_rank_state(ckpt_dir, state)
 
     def load_state(self, ckpt_dir: Path) -> None:
         engine = self._require_engine()
-        state_io.check_backend_meta(ckpt_dir, self.name, self.world_size)
-        state = state_io.load_state(ckpt_dir / f"rank{self.rank:05d}")
+        state = self._read_rank_state(ckpt_dir)
         optimizer_state = state["optimizer"]
         optimizer_state["loss_scaler"] = engine.optimizer.loss_scaler
         # ZeRO-3 picks entry [dp rank] of the list: each rank hands in only its own partition

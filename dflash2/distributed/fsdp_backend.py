@@ -14,7 +14,6 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 from dflash2.config import OptimConfig
-from dflash2.distributed import state_io
 from dflash2.distributed.base import Backend, build_optimizer, sharded_block_types
 from dflash2.models.target_head import TargetHead, head_tensors
 
@@ -132,21 +131,16 @@ class FSDPBackend(Backend):
 
     def save_state(self, ckpt_dir: Path) -> None:
         draft = self._require_draft()
-        ckpt_dir.mkdir(parents=True, exist_ok=True)
         state = {
             "model": draft.state_dict(),  # DTensors: stored as this rank's shard
             "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": self.scheduler.state_dict(),
         }
-        state_io.save_state(state, ckpt_dir / f"rank{self.rank:05d}")
-        if self.is_main:
-            state_io.write_backend_meta(ckpt_dir, self.name, self.world_size)
-        self.barrier()
+        self._write_rank_state(ckpt_dir, state)
 
     def load_state(self, ckpt_dir: Path) -> None:
         draft = self._require_draft()
-        state_io.check_backend_meta(ckpt_dir, self.name, self.world_size)
-        state = state_io.load_state(ckpt_dir / f"rank{self.rank:05d}")
+        state = self._read_rank_state(ckpt_dir)
         with torch.no_grad():
             for name, tensor in draft.state_dict().items():
                 local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
