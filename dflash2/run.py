@@ -63,6 +63,12 @@ def run_backend(cfg: RunConfig, group: dist.ProcessGroup | None = None) -> Backe
     )
 
 
+def save_resolved_config(cfg: RunConfig, backend: Backend) -> None:
+    """The resolved run config, as <output_dir>/config.yaml (by the trainers' rank 0)."""
+    if backend.is_main:
+        save_run_config(cfg, Path(cfg.output_dir) / "config.yaml")
+
+
 # ------------------------------------------------------------------ colocated
 
 
@@ -77,8 +83,7 @@ def offline_features(cfg: RunConfig) -> OfflineFeatures | None:
 def run_colocated(cfg: RunConfig) -> dict[str, float]:
     init_distributed(cfg.backend)
     backend = run_backend(cfg)
-    if backend.is_main:
-        save_run_config(cfg, Path(cfg.output_dir) / "config.yaml")
+    save_resolved_config(cfg, backend)
     return fit(cfg, build_setup(cfg, backend, features=offline_features(cfg)))
 
 
@@ -196,8 +201,7 @@ def run_trainer_rank(
     cfg: RunConfig, trainer_group: dist.ProcessGroup, transfer_group: dist.ProcessGroup
 ) -> dict[str, float]:
     backend = run_backend(cfg, trainer_group)
-    if backend.is_main:
-        save_run_config(cfg, Path(cfg.output_dir) / "config.yaml")
+    save_resolved_config(cfg, backend)
     source = backend.rank % cfg.capture_ranks  # trainer t is served by capture rank t % N
     receiver = FeatureReceiver(source, transfer_group, cfg.train.micro_batch_size, backend.device)
     summary = fit(cfg, build_setup(cfg, backend, features=receiver))
