@@ -43,9 +43,8 @@ class Setup:
     objective: ObjectiveConfig
     contract: dict
     tokenizer: object
-    features: FeatureSource | None = (
-        None  # OfflineFeatures or the capture ranks' FeatureReceiver; None: online
-    )
+    # OfflineFeatures or the capture ranks' FeatureReceiver; None: online capture
+    features: FeatureSource | None = None
 
 
 # ------------------------------------------------------------------ build
