@@ -25,6 +25,7 @@ from torch import nn
 
 from dflash2.capture.transfer import PREFETCH_DEPTH
 from dflash2.config import RunConfig, load_run_config
+from dflash2.models import build_draft
 
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -132,8 +133,6 @@ def load_target_config(path: str | Path):
 def meta_models(cfg: RunConfig, target_config) -> tuple[nn.Module, nn.Module]:
     """(draft, target) on the meta device; the draft is validated against the target config."""
     from transformers import AutoModelForCausalLM
-
-    from dflash2.models import build_draft
 
     with torch.device("meta"):
         draft = build_draft(cfg.model.draft_config, target_config=target_config)

@@ -31,8 +31,10 @@ import torch
 
 from dflash2.config import RunConfig, load_run_config
 from dflash2.data.jsonl import SampleError, iter_lines, parse_sample, prompt_turns
-from dflash2.data.render import encode_prompt, stop_token_ids
+from dflash2.data.regenerate import LocalTargetGenerator, regenerate_conversations
+from dflash2.data.render import encode_prompt, render_with_loss_mask, stop_token_ids
 from dflash2.evaluate import speculative_generate, target_generate
+from dflash2.models import TargetHead, load_draft
 from dflash2.run import run
 
 GATE_DIR_NAME = "serving_gate"
@@ -77,8 +79,6 @@ def regenerate_samples(
     samples: list[dict], target, tokenizer, max_new_tokens: int, template_kwargs
 ) -> list[dict]:
     """Replace every assistant turn by the target's own greedy reply."""
-    from dflash2.data.regenerate import LocalTargetGenerator, regenerate_conversations
-
     generator = LocalTargetGenerator(target, tokenizer, max_new_tokens, template_kwargs)
     conversations = regenerate_conversations([s["conversations"] for s in samples], generator)
     return [{"id": s["id"], "conversations": c} for s, c in zip(samples, conversations, strict=True)]
@@ -126,8 +126,6 @@ def decode_check(
 ) -> dict:
     """Reload the export, decode the sample's prompt with speculative decoding, compare with the
     target's own greedy reply. Returns the decode fields of the result, `errors` and `warnings`."""
-    from dflash2.models import TargetHead, load_draft
-
     draft = load_draft(export_dir, dtype=torch.float32)
     head = TargetHead.from_target(target, dtype=torch.float32)
     block_size = draft.block_size
@@ -166,8 +164,6 @@ def label_check(
 ) -> list[str]:
     """Warn when the training labels of the first reply are not the target's own tokens (a reply text
     that re-tokenizes differently); the gate can still pass, but such data trains the wrong thing."""
-    from dflash2.data.render import render_with_loss_mask
-
     ids, _ = render_with_loss_mask(sample["conversations"], tokenizer, template_kwargs)
     labels = ids[len(prompt_ids) : len(prompt_ids) + len(reference)]
     if ids[: len(prompt_ids)] != prompt_ids or labels != reference:
