@@ -63,6 +63,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--seq-len", type=int, default=1024, help="sequence length S (all tokens supervised)")
     add("--anchors", type=int, nargs="+", default=[128, 512], help="anchor counts N to measure")
     add("--block-size", type=int, default=8, help="block size B")
+    add(
+        "--sliding-window",
+        type=int,
+        default=None,
+        help="make every draft layer sliding_attention with this window (default: full attention)",
+    )
     add("--batch", type=int, default=1, help="sequences per step")
     add("--repeats", type=int, default=3, help="timed steps per measurement (median reported)")
     add("--architecture", default="DFlash2DraftModel", choices=["DFlashDraftModel", "DFlash2DraftModel"])
@@ -89,6 +95,10 @@ def _validate(args: argparse.Namespace) -> None:
     for name in (*positive, "block_size", "batch", "repeats", "chunk_rows"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
+    if args.sliding_window is not None and args.sliding_window < 1:
+        raise ValueError(
+            f"--sliding-window={args.sliding_window}: must be >= 1 (or omitted for full attention)"
+        )
     if args.threads is not None and args.threads < 1:
         raise ValueError(f"--threads={args.threads}: must be >= 1 (or omitted for torch's default)")
     if args.block_size < 2:
@@ -109,7 +119,8 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def draft_config(args: argparse.Namespace) -> dict:
-    """An HF-form draft config of the requested size (all layers full attention, no softcap)."""
+    """An HF-form draft config of the requested size (all layers full attention, or all sliding with
+    --sliding-window; no softcap)."""
     dflash = {
         "block_size": args.block_size,
         "mask_token_id": args.vocab - 1,
@@ -119,6 +130,10 @@ def draft_config(args: argparse.Namespace) -> dict:
     }
     if args.architecture == "DFlash2DraftModel":
         dflash.update(conv_kernel_size=2, conv_group_size=16, selector_rank=32, selector_top_k=16)
+    window = {}
+    if args.sliding_window is not None:
+        window = {"sliding_window": args.sliding_window, "use_sliding_window": True}
+    layer_type = "full_attention" if args.sliding_window is None else "sliding_attention"
     return {
         "architectures": [args.architecture],
         "model_type": "qwen3",
@@ -137,7 +152,8 @@ def draft_config(args: argparse.Namespace) -> dict:
         "num_target_layers": NUM_TARGET_LAYERS,
         "tie_word_embeddings": False,
         "is_causal": False,
-        "layer_types": ["full_attention"] * args.layers,
+        "layer_types": [layer_type] * args.layers,
+        **window,
         "dflash_config": dflash,
     }
 

@@ -5,10 +5,10 @@ One request at a time (batch size 1), as a server runs it:
     prefill the prompt with the target          -> first token, features of the prompt
     repeat:
         draft a block from the anchor (the last committed token), given the target features of
-        every committed position before it      -> B-1 proposals
+        every committed position before it (the draft's context cache) -> B-1 proposals
         verify [anchor, proposals] with ONE target forward (KV cache, hidden states)
         accept the longest correct prefix + one bonus token from the target
-        keep the features of the committed positions; crop the KV cache to them
+        append the committed positions' features to the draft's context cache; crop the KV cache
 
 Greedy (temperature 0): a proposal is accepted while it equals the target's argmax, so the output
 is exactly the target's own greedy decoding. Temperature > 0: lossless rejection sampling (accept x
@@ -39,6 +39,7 @@ from dflash2.capture import extract_features
 from dflash2.data.jsonl import SampleError, iter_lines, parse_sample, prompt_turns
 from dflash2.data.render import encode_prompt, stop_token_ids
 from dflash2.models import TargetHead, load_draft
+from dflash2.models.context_cache import DraftContextCache
 from dflash2.models.draft import DFlashDraftModel
 
 # ------------------------------------------------------------------ decoding
@@ -65,7 +66,7 @@ class _Context:
     """What the decoder carries between verify steps."""
 
     cache: object  # transformers DynamicCache over the committed positions (before the anchor)
-    features: torch.Tensor  # [1, p, K*H] target features of the committed positions before the anchor
+    draft_context: DraftContextCache  # the draft's K/V of the committed positions before the anchor
     anchor: int  # the last committed token, at position p
     output: list[int] = field(default_factory=list)
 
@@ -98,20 +99,19 @@ def _target_forward(target: nn.Module, ids: list[int], cache, layer_ids: Sequenc
 def draft_block(
     draft: DFlashDraftModel,
     head: TargetHead,
-    features: torch.Tensor,
+    context: DraftContextCache,
     anchor: int,
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Propose B-1 tokens after `anchor` (at position p = features.shape[1]).
+    """Propose B-1 tokens after `anchor` (at position p = context.length).
 
     Returns (tokens [B-1], candidates [B-1, k] or None, q [B-1, V] (v1) or [B-1, k] (v2)).
     """
-    device = features.device
+    device = next(draft.parameters()).device
     block_ids = torch.tensor([[anchor] + [draft.mask_token_id] * (draft.block_size - 1)], device=device)
     block_embeds = head.embed(block_ids)[:, None].to(next(draft.parameters()).dtype)  # [1, 1, B, H]
-    anchor_positions = torch.tensor([[features.shape[1]]], device=device)
-    hidden = draft(block_embeds, features, anchor_positions)  # [1, 1, B, H]
+    hidden = draft.decode_block(block_embeds, context)  # [1, 1, B, H]
     tokens, candidates, q = draft.propose(
         hidden[:, 0, 1:], torch.tensor([anchor], device=device), head, temperature, generator
     )
@@ -195,12 +195,16 @@ def speculative_generate(
 
     cache = DynamicCache()
     logits, features = _target_forward(target, prompt, cache, layer_ids)
-    ctx = _Context(cache=cache, features=features, anchor=_pick(logits[-1], temperature, generator))
+    draft_context = draft.new_context_cache()
+    draft.extend_context(draft_context, features)
+    ctx = _Context(cache=cache, draft_context=draft_context, anchor=_pick(logits[-1], temperature, generator))
     _, finished = _commit(ctx, [ctx.anchor], stop_ids, max_new_tokens)
     taus: list[int] = []
     num_forwards, clean_tokens = 1, 0
     while not finished:
-        proposals, candidates, q = draft_block(draft, head, ctx.features, ctx.anchor, temperature, generator)
+        proposals, candidates, q = draft_block(
+            draft, head, ctx.draft_context, ctx.anchor, temperature, generator
+        )
         proposals = proposals.tolist()
         logits, block_features = _target_forward(target, [ctx.anchor] + proposals, ctx.cache, layer_ids)
         num_forwards += 1
@@ -211,7 +215,7 @@ def speculative_generate(
             n, bonus = verify_greedy(proposals, logits)
         # The anchor and the accepted proposals are now committed positions with valid features;
         # the rejected proposals leave the KV cache; the bonus becomes the next anchor.
-        ctx.features = torch.cat([ctx.features, block_features[:, : n + 1]], dim=1)
+        draft.extend_context(ctx.draft_context, block_features[:, : n + 1])
         ctx.cache.crop(-(len(proposals) - n))
         ctx.anchor = bonus
         kept, finished = _commit(ctx, proposals[:n] + [bonus], stop_ids, max_new_tokens)

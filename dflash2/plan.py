@@ -26,6 +26,7 @@ from torch import nn
 from dflash2.capture.transfer import PREFETCH_DEPTH
 from dflash2.config import RunConfig, load_run_config
 from dflash2.models import build_draft
+from dflash2.models.attention import context_key_span
 
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -41,7 +42,7 @@ LAYER_HEADS_ACT, LAYER_HEADS_FP32 = 5, 1  # per block row x (nh + 2 nkv) x d: q/
 LAYER_MLP_ACT = 4  # per block row x I: gate, up, activation, product
 LAYER_CONTEXT_ACT, LAYER_CONTEXT_FP32 = 4, 1  # per context row x nkv x d: context keys/values, k_norm
 ACTIVATION_NOTES = {
-    "scores": "[b, nh, N, B, S+B] per layer: fp32 softmax + copy, mask",
+    "scores": "[b, nh, N, B, keys+B] per layer (keys: S, or window + tile in sliding layers): fp32 softmax + copy, mask",
     "hidden": "block rows x (H, heads), context K/V, per layer",
     "mlp": "block rows x I x 4, per layer",
     "context": "fc + hidden_norm over [b, S, H]",
@@ -216,10 +217,10 @@ class StepShapes:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    num_layers: int  # draft layers
     num_features: int  # K target layers captured
     selector_top_k: int  # 0 without a selector
     selector_rank: int
+    sliding_windows: tuple[int | None, ...]  # per draft layer: its window, None for full attention
 
 
 def step_shapes(cfg: RunConfig, draft: nn.Module) -> StepShapes:
@@ -235,44 +236,56 @@ def step_shapes(cfg: RunConfig, draft: nn.Module) -> StepShapes:
         num_heads=c.num_attention_heads,
         num_kv_heads=c.num_key_value_heads,
         head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
-        num_layers=c.num_hidden_layers,
         num_features=len(draft.target_layer_ids),
         selector_top_k=selector.top_k if selector is not None else 0,
         selector_rank=selector.predecessor_codebook.shape[1] if selector is not None else 0,
+        sliding_windows=tuple(layer.self_attn.sliding_window for layer in draft.layers),
     )
 
 
 def draft_activation_bytes(s: StepShapes, act: int) -> dict[str, float]:
     """Saved-for-backward bytes of one draft step (forward of every layer + the objective's rows).
 
-    `act` is the compute dtype's size in bytes. Every block's slots attend to the whole context
-    (masked), so the scores are [b, nh, N, B, S + B] per layer, kept as the fp32 softmax output plus a
-    compute-dtype copy.
+    `act` is the compute dtype's size in bytes. Every block's slots score the context keys of its
+    layer (`context_key_span`: the whole context, or a sliding layer's window tile) and its own block,
+    so the scores are [b, nh, N, B, keys + B] per layer, kept as the fp32 softmax output plus a
+    compute-dtype copy. The window-bounded path also keeps per-tile copies of the block's q, k, v;
+    below fp32, the score products keep fp32 copies of q and k.
     """
     rows = s.batch * s.num_anchors * s.block_size  # block rows, b * N * B
     context_rows = s.batch * s.seq_len
     heads_width = (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
     score_bytes = FP32 + (act if act != FP32 else 0)
-    per_layer = {
-        "scores": rows * s.num_heads * (s.seq_len + s.block_size) * score_bytes
-        + rows * s.seq_len,  # the bool visibility mask
-        "hidden": rows * s.hidden * (LAYER_HIDDEN_ACT * act + LAYER_HIDDEN_FP32 * FP32)
-        + rows * heads_width * (LAYER_HEADS_ACT * act + LAYER_HEADS_FP32 * FP32)
-        + context_rows * s.num_kv_heads * s.head_dim * (LAYER_CONTEXT_ACT * act + LAYER_CONTEXT_FP32 * FP32),
-        "mlp": rows * s.intermediate * LAYER_MLP_ACT * act,
-    }
+    upcast = FP32 if act != FP32 else 0  # fp32 copies of q, k for the scores
+    out: dict[str, float] = {"scores": 0.0, "hidden": 0.0, "mlp": 0.0}
+    largest_layer = 0.0
+    for window in s.sliding_windows:
+        keys = context_key_span(s.seq_len, window)
+        windowed = keys < s.seq_len
+        layer = {
+            "scores": rows * s.num_heads * (keys + s.block_size) * score_bytes + rows * keys,  # + bool mask
+            "hidden": rows * s.hidden * (LAYER_HIDDEN_ACT * act + LAYER_HIDDEN_FP32 * FP32)
+            + rows * heads_width * (LAYER_HEADS_ACT * act + LAYER_HEADS_FP32 * FP32 + windowed * act)
+            + rows * (s.num_heads + s.num_kv_heads) * s.head_dim * upcast
+            + context_rows * s.num_kv_heads * s.head_dim * (LAYER_CONTEXT_ACT * act + LAYER_CONTEXT_FP32 * FP32 + upcast),
+            "mlp": rows * s.intermediate * LAYER_MLP_ACT * act,
+        }  # fmt: skip
+        for name, value in layer.items():
+            out[name] += value
+        largest_layer = max(largest_layer, sum(layer.values()))
     supervised = s.batch * s.num_anchors * (s.block_size - 1)
-    once = {
-        # fc output, hidden_norm (+ fp32 copy), RoPE tables; final norm of the block rows
-        "context": context_rows * s.hidden * (2 * act + FP32) + 2 * (context_rows + rows) * s.head_dim * act,
-        "final norm": rows * s.hidden * (2 * act + FP32),
-        # gathered slot rows, their fp32 gradient from the chunked CE, selector codebook rows
-        "objective": supervised * s.hidden * (act + FP32)
-        + supervised * s.selector_top_k * (s.selector_rank + s.selector_top_k) * 3 * act,
-    }
-    out = {name: value * s.num_layers for name, value in per_layer.items()}
-    out.update(once)
-    out["backward (one layer)"] = sum(per_layer.values())  # gradients of one layer's activations
+    out.update(
+        {
+            # fc output, hidden_norm (+ fp32 copy), RoPE tables; final norm of the block rows
+            "context": context_rows * s.hidden * (2 * act + FP32)
+            + 2 * (context_rows + rows) * s.head_dim * act,
+            "final norm": rows * s.hidden * (2 * act + FP32),
+            # gathered slot rows, their fp32 gradient from the chunked CE, selector codebook rows
+            "objective": supervised * s.hidden * (act + FP32)
+            + supervised * s.selector_top_k * (s.selector_rank + s.selector_top_k) * 3 * act,
+            "backward (one layer)": largest_layer,  # gradients of one layer's activations
+        }
+    )
     return out
 
 

@@ -45,8 +45,13 @@ _BASE = {
 }
 
 
-def tiny_draft_config(architecture: str = "DFlash2DraftModel", **dflash_overrides) -> dict:
+def tiny_draft_config(
+    architecture: str = "DFlash2DraftModel", config_overrides: dict | None = None, **dflash_overrides
+) -> dict:
+    """`config_overrides`: top-level keys (e.g. sliding_window, layer_types, is_causal);
+    `dflash_overrides`: keys of dflash_config."""
     cfg = copy.deepcopy(_BASE)
+    cfg.update(copy.deepcopy(config_overrides or {}))
     cfg["architectures"] = [architecture]
     if architecture == "DFlashDraftModel":
         for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
@@ -66,8 +71,12 @@ def randomize_(module: torch.nn.Module, seed: int = 0, scale: float = 0.2) -> to
     return module
 
 
-def random_draft(architecture: str = "DFlash2DraftModel", seed: int = 0, **overrides):
-    return randomize_(build_draft(tiny_draft_config(architecture, **overrides)), seed).eval()
+def random_draft(
+    architecture: str = "DFlash2DraftModel", seed: int = 0, config_overrides: dict | None = None, **overrides
+):
+    return randomize_(
+        build_draft(tiny_draft_config(architecture, config_overrides, **overrides)), seed
+    ).eval()
 
 
 def random_head(seed: int = 1) -> TargetHead:

@@ -136,11 +136,11 @@ def test_oracle_draft_gets_full_blocks(target, head, monkeypatch):
     reference = plain_greedy(target, PROMPT, 40)
     produced = len(PROMPT)  # position of the anchor in PROMPT + reference
 
-    def oracle_block(draft, head, features, anchor, temperature=0.0, generator=None):
-        start = features.shape[1] + 1 - len(PROMPT)  # index in `reference` of the slot after the anchor
+    def oracle_block(draft, head, context, anchor, temperature=0.0, generator=None):
+        start = context.length + 1 - len(PROMPT)  # index in `reference` of the slot after the anchor
         assert reference[start - 1] == anchor
         nonlocal produced
-        produced = features.shape[1]
+        produced = context.length
         padded = reference[start : start + draft.block_size - 1] + [0] * draft.block_size
         return torch.tensor(padded[: draft.block_size - 1]), None, torch.ones(draft.block_size - 1, 300) / 300
 
@@ -151,6 +151,37 @@ def test_oracle_draft_gets_full_blocks(target, head, monkeypatch):
     assert result.acceptance_lengths == [4] * 9 + [3]
     assert result.clean_block_tokens == 39
     assert produced == len(PROMPT) + 36  # the draft always saw the features of every committed position
+
+
+@pytest.mark.parametrize("architecture", ["DFlashDraftModel", "DFlash2DraftModel"])
+def test_cached_draft_proposes_what_the_full_forward_proposes(target, head, architecture, monkeypatch):
+    """The draft's context cache changes no proposal: at every step of a 60-token generation
+    (sliding window 6 in layer 0, so the cache drops positions), the proposals equal those of the
+    draft's forward over the features of every committed position, token for token."""
+    draft = build_random_draft(architecture)
+    assert draft.layers[0].self_attn.sliding_window == 6
+    features, steps = [], []
+    extend_context, draft_block = draft.extend_context, ev.draft_block
+
+    def recording_extend(cache, new_features):
+        features.append(new_features)
+        extend_context(cache, new_features)
+
+    def recording_block(draft, head, context, anchor, *args):
+        tokens, candidates, q = draft_block(draft, head, context, anchor, *args)
+        steps.append((torch.cat(features, dim=1), anchor, tokens.tolist()))
+        return tokens, candidates, q
+
+    monkeypatch.setattr(draft, "extend_context", recording_extend)
+    monkeypatch.setattr(ev, "draft_block", recording_block)
+    result = ev.speculative_generate(draft, target, head, PROMPT, max_new_tokens=60)
+    assert len(steps) == len(result.acceptance_lengths) >= 15
+    for prefix, anchor, tokens in steps:
+        block_ids = torch.tensor([[anchor] + [draft.mask_token_id] * (draft.block_size - 1)])
+        with torch.no_grad():
+            hidden = draft(head.embed(block_ids)[:, None], prefix, torch.tensor([[prefix.shape[1]]]))
+        want = draft.propose(hidden[:, 0, 1:], torch.tensor([anchor]), head)[0][0]
+        assert tokens == want.tolist()
 
 
 # ------------------------------------------------------------------ sampling is lossless

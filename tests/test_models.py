@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers.models.qwen3.modeling_qwen3 import rotate_half
 
-from dflash2.models import DFlash2DraftModel, DFlashDraftModel, build_draft, draft_class
-from dflash2.models.attention import layer_masks
+from dflash2.models import DFlash2DraftModel, DFlashDraftModel, attention, build_draft, draft_class
+from dflash2.models.attention import context_key_span, joint_attention, layer_masks
 from dflash2.models.conv import GroupedDynamicConv
 from dflash2.models.selector import CandidateSelector
 from tests.draft_helpers import (
@@ -217,7 +218,7 @@ def test_blocks_see_only_their_prefix_and_their_own_block():
 def test_layer_masks_match_python_loop():
     anchors = torch.tensor([[0, 3, 9]])
     for causal, window in [(False, None), (True, None), (False, 4), (True, 3)]:
-        ctx, blk = layer_masks(anchors, 10, 4, causal=causal, sliding_window=window)
+        ctx, blk = layer_masks(anchors, torch.arange(10), 4, causal=causal, sliding_window=window)
         for n, p in enumerate(anchors[0].tolist()):
             for i in range(4):
                 for j in range(10):
@@ -226,6 +227,145 @@ def test_layer_masks_match_python_loop():
                 for j in range(4):
                     want = (not causal or j <= i) and (window is None or abs(i - j) < window)
                     assert bool(blk[i, j]) == want
+
+
+# ---------------------------------------------------------------- block attention and windows
+
+
+def sliding_draft(
+    architecture: str = "DFlash2DraftModel", window: int = 6, causal: bool = False, seed: int = 0
+):
+    """Both layers sliding (one window), random weights, fp64. The contract's drafts are non-causal;
+    `causal` switches the attention's in-block causal mask on directly, to cover that branch too."""
+    overrides = {"layer_types": ["sliding_attention", "sliding_attention"], "sliding_window": window}
+    draft = random_draft(architecture, seed=seed, config_overrides=overrides).double()
+    for layer in draft.layers:
+        layer.self_attn.causal = causal
+    return draft
+
+
+def slow_block_attention(attn, rotary, x, context, anchors, causal: bool, window: int | None):
+    """The block-attention formula one (block, slot, head) at a time: slot i of the block at p attends
+    to context keys j < p with (p + i) - j < window and to slots j' of its own block (j' <= i when
+    causal, |i - j'| < window). x [b, N, B, H]; context [b, S, H]; anchors [b, N]."""
+
+    def project(states, positions, proj, norm, heads):  # states [L, H] -> [L, heads, d] with RoPE
+        y = proj(states).unflatten(-1, (heads, attn.head_dim))
+        y = y if norm is None else norm(y)
+        cos, sin = (t[0, :, None] for t in rotary(states, positions[None]))
+        return y if norm is None else y * cos + rotate_half(y) * sin
+
+    b, num_blocks, block_size, _ = x.shape
+    groups = attn.num_heads // attn.num_kv_heads
+    out = torch.zeros(b, num_blocks, block_size, attn.num_heads * attn.head_dim, dtype=x.dtype)
+    for r in range(b):
+        ctx_pos = torch.arange(context.shape[1])
+        k_ctx = project(context[r], ctx_pos, attn.k_proj, attn.k_norm, attn.num_kv_heads)
+        v_ctx = project(context[r], ctx_pos, attn.v_proj, None, attn.num_kv_heads)
+        for n in range(num_blocks):
+            p = int(anchors[r, n])
+            blk_pos = torch.arange(p, p + block_size)
+            q = project(x[r, n], blk_pos, attn.q_proj, attn.q_norm, attn.num_heads)
+            k_blk = project(x[r, n], blk_pos, attn.k_proj, attn.k_norm, attn.num_kv_heads)
+            v_blk = project(x[r, n], blk_pos, attn.v_proj, None, attn.num_kv_heads)
+            for i in range(block_size):
+                ctx_keys = [
+                    j for j in range(context.shape[1]) if j < p and (window is None or p + i - j < window)
+                ]
+                blk_keys = [
+                    j
+                    for j in range(block_size)
+                    if (not causal or j <= i) and (window is None or abs(i - j) < window)
+                ]
+                for h in range(attn.num_heads):
+                    kv = h // groups
+                    keys = torch.stack([k_ctx[j, kv] for j in ctx_keys] + [k_blk[j, kv] for j in blk_keys])
+                    values = torch.stack([v_ctx[j, kv] for j in ctx_keys] + [v_blk[j, kv] for j in blk_keys])
+                    weights = torch.softmax(keys @ q[i, h] * attn.scaling, dim=0)
+                    out[r, n, i, h * attn.head_dim : (h + 1) * attn.head_dim] = weights @ values
+    return attn.o_proj(out)
+
+
+@pytest.mark.parametrize(
+    "window,causal", [(5, False), (5, True), (12, False), (64, False)], ids=["w5", "w5-causal", "w12", "w>=S"]
+)
+def test_block_attention_matches_slow_loop_with_and_without_window_bound(window, causal):
+    """Windows shorter than the context take the window-bounded path (tiles of the context), a window
+    at least as long as it the full-context path: both equal the formula computed one key at a time.
+    Anchors unsorted, repeated, at 0 and at S (the inference form)."""
+    draft = sliding_draft(window=window, causal=causal, seed=window)
+    attn = draft.layers[0].self_attn
+    seq_len = 30
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 4, HIDDEN, generator=gen, dtype=torch.float64)
+    context = torch.randn(2, seq_len, HIDDEN, generator=gen, dtype=torch.float64)
+    anchors = torch.tensor([[17, 0, 9, 29, 9], [30, 3, 22, 11, 6]])
+    rope = draft.rotary_emb(context, torch.arange(seq_len).expand(2, -1))
+    block_rope = draft._block_rope(x, anchors)
+    with torch.no_grad():
+        got = attn(x, attn.context_kv(context, rope), block_rope, anchors)
+        want = slow_block_attention(attn, draft.rotary_emb, x, context, anchors, causal, window)
+    assert (context_key_span(seq_len, window) < seq_len) == (window < 30)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_window_bounded_attention_scores_only_the_window(monkeypatch):
+    """S = 200, window 16: every block scores at most window + tile - 2 = 16 context keys (not 200),
+    and the result equals the masked scores over the whole context (the formulation it replaces)."""
+    draft = sliding_draft(window=16, seed=3)
+    attn = draft.layers[0].self_attn
+    seq_len, num_blocks, block_size = 200, 24, 4
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(1, num_blocks, block_size, HIDDEN, generator=gen, dtype=torch.float64)
+    context = torch.randn(1, seq_len, HIDDEN, generator=gen, dtype=torch.float64)
+    anchors = torch.randperm(seq_len, generator=gen)[:num_blocks][None]
+    context_kv = attn.context_kv(context, draft.rotary_emb(context, torch.arange(seq_len)[None]))
+    block_rope = draft._block_rope(x, anchors)
+    key_counts = []
+
+    def counting(q, k_ctx, *args):
+        key_counts.append(k_ctx.shape[2])
+        return joint_attention(q, k_ctx, *args)
+
+    monkeypatch.setattr(attention, "joint_attention", counting)
+    with torch.no_grad():
+        got = attn(x, context_kv, block_rope, anchors)
+    assert key_counts and max(key_counts) <= context_key_span(seq_len, 16) == 16
+    # the full-context masked scores, as computed before the window bound
+    groups = attn.num_heads // attn.num_kv_heads
+    q = attn.q_norm(attn.q_proj(x).unflatten(-1, (attn.num_heads, attn.head_dim)))
+    q = attention._rope(q, *block_rope).unflatten(-2, (attn.num_kv_heads, groups)).permute(0, 3, 4, 1, 2, 5)
+    k_blk, v_blk = (t.permute(0, 3, 1, 2, 4) for t in attn._keys_values(x, *block_rope))
+    context_visible, block_visible = layer_masks(
+        anchors, torch.arange(seq_len), block_size, causal=False, sliding_window=16
+    )
+    with torch.no_grad():
+        full = joint_attention(
+            q, context_kv.keys, context_kv.values, context_visible, k_blk, v_blk, block_visible, attn.scaling
+        )
+        want = attn.o_proj(full.permute(0, 3, 4, 1, 2, 5).flatten(-3))
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("architecture", ["DFlashDraftModel", "DFlash2DraftModel"])
+@pytest.mark.parametrize("window", [5, 1000], ids=["window5", "full-window"])
+def test_context_cache_decoding_equals_full_forward(architecture, window):
+    """Appending features in uneven chunks (a long prompt, then 1..B positions per step), the cached
+    block equals the full forward over every feature so far, and sliding layers keep window - 1
+    positions."""
+    draft = sliding_draft(architecture, window=window, seed=5)
+    feats = random_features(60).double()
+    emb = torch.randn(1, 1, 4, HIDDEN, dtype=torch.float64)
+    cache = draft.new_context_cache()
+    length = 0
+    for chunk in [17, 1, 4, 2, 1, 3, 4, 4, 1, 2, 4, 4, 3, 1, 4, 4, 1]:
+        draft.extend_context(cache, feats[:, length : length + chunk])
+        length += chunk
+        got = draft.decode_block(emb, cache)
+        want = draft(emb, feats[:, :length], torch.tensor([[length]]))
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+        assert [kv.keys.shape[2] for kv in cache.layers()] == [min(length, window - 1)] * 2
+    assert cache.length == length == 60
 
 
 def test_propose_v1_is_greedy_argmax_and_v2_walks_the_lattice():

@@ -120,12 +120,18 @@ def measured_saved_bytes(draft, head, batch, objective) -> int:
 
 
 @pytest.mark.parametrize(
-    "precision,batch_size,num_anchors,seq_len,heads",
-    [("fp32", 1, 16, 256, (4, 2)), ("fp32", 2, 64, 512, (8, 2)), ("bf16", 1, 64, 1024, (4, 2))],
+    "precision,batch_size,num_anchors,seq_len,heads,window",
+    [
+        ("fp32", 1, 16, 256, (4, 2), 2048),
+        ("fp32", 2, 64, 512, (8, 2), 2048),
+        ("bf16", 1, 64, 1024, (4, 2), 2048),
+        ("fp32", 2, 64, 1024, (4, 2), 128),  # window-bounded: each block scores 128 + 16 - 2 keys
+        ("bf16", 1, 64, 1024, (8, 2), 256),
+    ],
 )
-def test_activation_estimate_matches_a_real_step(precision, batch_size, num_anchors, seq_len, heads):
+def test_activation_estimate_matches_a_real_step(precision, batch_size, num_anchors, seq_len, heads, window):
     config = json.load(open(TINY_DRAFT))
-    config.update(num_attention_heads=heads[0], num_key_value_heads=heads[1])
+    config.update(num_attention_heads=heads[0], num_key_value_heads=heads[1], sliding_window=window)
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
     torch.manual_seed(0)
     draft = build_draft(config).to(dtype)
@@ -144,9 +150,10 @@ def test_activation_estimate_matches_a_real_step(precision, batch_size, num_anch
     shapes = StepShapes(
         batch=batch_size, seq_len=seq_len, num_anchors=num_anchors, block_size=block, hidden=hidden,
         intermediate=config["intermediate_size"], num_heads=heads[0], num_kv_heads=heads[1],
-        head_dim=config["head_dim"], num_layers=config["num_hidden_layers"], num_features=num_features,
+        head_dim=config["head_dim"], num_features=num_features,
         selector_top_k=config["dflash_config"]["selector_top_k"],
         selector_rank=config["dflash_config"]["selector_rank"],
+        sliding_windows=(window,) * config["num_hidden_layers"],
     )  # fmt: skip
     estimate = draft_activation_bytes(shapes, DTYPE_BYTES[precision])
     estimate.pop("backward (one layer)")  # transient gradients, not saved tensors

@@ -18,8 +18,9 @@ from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3RotaryEmbedding,
 )
 
-from dflash2.models.attention import DFlashAttention
+from dflash2.models.attention import ContextKV, DFlashAttention
 from dflash2.models.config import default_target_layer_ids, draft_value, logit_transform
+from dflash2.models.context_cache import DraftContextCache
 from dflash2.models.conv import AFTER, BEFORE, GroupedDynamicConv
 from dflash2.models.selector import CandidateSelector
 from dflash2.models.target_head import TargetHead
@@ -52,16 +53,26 @@ class DFlashDecoderLayer(nn.Module):
         else:
             self.attention_conv = self.mlp_conv = None
 
-    def forward(self, h, context, block_rope, context_rope, anchor_positions) -> torch.Tensor:
-        """h [b, N, B, H] block states; context [b, S, H] projected target features."""
+    def forward(
+        self,
+        h: torch.Tensor,
+        block_rope: tuple[torch.Tensor, torch.Tensor],
+        anchor_positions: torch.Tensor,
+        context: torch.Tensor | None = None,
+        context_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        context_kv: ContextKV | None = None,
+    ) -> torch.Tensor:
+        """h [b, N, B, H] block states. The context is either the projected target features
+        `context` [b, S, H] (positions 0..S-1, with their rope) or this layer's cached `context_kv`.
+        The context keys are computed here, inside the layer, where a sharded layer's weights live."""
+        if context_kv is None:
+            context_kv = self.self_attn.context_kv(context, context_rope)
         x = self.input_layernorm(h)
         if self.attention_conv is None:
-            h = h + self.self_attn(x, context, block_rope, context_rope, anchor_positions)
+            h = h + self.self_attn(x, context_kv, block_rope, anchor_positions)
         else:
             c = self.attention_conv.dynamic_kernels(x)  # both sides from the sublayer input
-            a = self.self_attn(
-                self.attention_conv(x, c, BEFORE), context, block_rope, context_rope, anchor_positions
-            )
+            a = self.self_attn(self.attention_conv(x, c, BEFORE), context_kv, block_rope, anchor_positions)
             h = h + self.attention_conv(a, c, AFTER)
 
         y = self.post_attention_layernorm(h)
@@ -126,17 +137,50 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         context_features [b, S, K*H]; anchor_positions [b, N] absolute anchor positions.
         Returns the final-normed block states [b, N, B, H]. Block n sees context positions
         < anchor_positions[:, n] and its own block only."""
-        b, num_blocks, block_size, _ = block_embeds.shape
+        b = block_embeds.shape[0]
         context = self.project_context(context_features.to(block_embeds.dtype))
-        slot = torch.arange(block_size, device=block_embeds.device)
-        block_pos = anchor_positions[..., None] + slot  # [b, N, B]
         context_pos = torch.arange(context.shape[1], device=context.device).expand(b, -1)
-        cos, sin = self.rotary_emb(block_embeds, block_pos.reshape(b, -1))
-        block_rope = (cos.view(b, num_blocks, block_size, -1), sin.view(b, num_blocks, block_size, -1))
         context_rope = self.rotary_emb(block_embeds, context_pos)
+        block_rope = self._block_rope(block_embeds, anchor_positions)
         h = block_embeds
         for layer in self.layers:
-            h = layer(h, context, block_rope, context_rope, anchor_positions)
+            h = layer(h, block_rope, anchor_positions, context=context, context_rope=context_rope)
+        return self.norm(h)
+
+    def _block_rope(self, block_embeds: torch.Tensor, anchor_positions: torch.Tensor):
+        """RoPE tables of the block slots, at positions anchor + slot: [b, N, B, d] each."""
+        b, num_blocks, block_size, _ = block_embeds.shape
+        slot = torch.arange(block_size, device=block_embeds.device)
+        block_pos = anchor_positions[..., None] + slot  # [b, N, B]
+        cos, sin = self.rotary_emb(block_embeds, block_pos.reshape(b, -1))
+        return cos.view(b, num_blocks, block_size, -1), sin.view(b, num_blocks, block_size, -1)
+
+    # ---------------------------------------------------------------- decoding with a context cache
+
+    def new_context_cache(self) -> DraftContextCache:
+        """An empty cache of this draft's per-layer context keys and values (one request)."""
+        return DraftContextCache([layer.self_attn.sliding_window for layer in self.layers])
+
+    @torch.no_grad()
+    def extend_context(self, cache: DraftContextCache, context_features: torch.Tensor) -> None:
+        """Append the target features [b, n, K*H] of the next n committed positions to `cache`:
+        they are projected and turned into every layer's keys and values once, never again."""
+        dtype = self.fc.weight.dtype
+        context = self.project_context(context_features.to(dtype))
+        b, n, _ = context.shape
+        positions = torch.arange(cache.length, cache.length + n, device=context.device).expand(b, -1)
+        rope = self.rotary_emb(context, positions)
+        cache.append([layer.self_attn.context_kv(context, rope, start=cache.length) for layer in self.layers])
+
+    @torch.no_grad()
+    def decode_block(self, block_embeds: torch.Tensor, cache: DraftContextCache) -> torch.Tensor:
+        """One block per sequence, anchored right after the cached context: block_embeds
+        [b, 1, B, H] -> [b, 1, B, H]. Equal to `forward(block_embeds, all features so far, [[S]])`."""
+        anchor_positions = torch.full((block_embeds.shape[0], 1), cache.length, device=block_embeds.device)
+        block_rope = self._block_rope(block_embeds, anchor_positions)
+        h = block_embeds
+        for layer, context_kv in zip(self.layers, cache.layers()):
+            h = layer(h, block_rope, anchor_positions, context_kv=context_kv)
         return self.norm(h)
 
     def transform_logits(self, logits: torch.Tensor) -> torch.Tensor:
