@@ -11,10 +11,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM
 
 from dflash2.config import OptimConfig
 from dflash2.distributed.base import Backend, build_optimizer, sharded_block_types
+from dflash2.distributed.sharded_load import load_sharded_target
 from dflash2.models.target_head import TargetHead, head_tensors
 
 
@@ -56,16 +56,15 @@ class FSDPBackend(Backend):
     def load_target(self, target_dir: str, dtype: torch.dtype) -> nn.Module:
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"target dtype must be float32 or bfloat16 (fp16 is unsupported), got {dtype}")
-        # every rank reads the full weights to CPU once; fully_shard then keeps only its own shard
-        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype)
+        # built on the meta device and sharded first: each rank reads only its own shards from disk
+        return load_sharded_target(target_dir, dtype, self.device, self._shard_target)
+
+    def _shard_target(self, model: nn.Module) -> None:
         if not sharded_block_types(model):
             raise ValueError(
                 f"target {type(model).__name__} declares no _no_split_modules (decoder layer class)"
             )
-        model.requires_grad_(False)
-        model.eval()
         self._shard(model, self.target_mesh)
-        return model.to(self.device)
 
     def target_head(self, target: nn.Module, dtype: torch.dtype) -> TargetHead:
         tensors = head_tensors(target)
