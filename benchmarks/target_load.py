@@ -140,7 +140,7 @@ def load(method: str, backend, target_dir: str):
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
-    from dflash2.dist import build_backend, init_distributed, shutdown_distributed
+    from dflash2.distributed import build_backend, init_distributed, shutdown_distributed
 
     init_distributed("fsdp")
     backend = build_backend("fsdp", None, 1, 1)

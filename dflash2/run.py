@@ -82,6 +82,7 @@ def offline_features(cfg: RunConfig) -> OfflineFeatures | None:
 
 def run_colocated(cfg: RunConfig) -> dict[str, float]:
     init_distributed(cfg.backend)
+    cfg = cfg.with_batch_layout(cfg.data_parallel_size(dist.get_world_size()))
     backend = run_backend(cfg)
     save_resolved_config(cfg, backend)
     return fit(cfg, build_setup(cfg, backend, features=offline_features(cfg)))
@@ -136,6 +137,7 @@ def run_disaggregated(cfg: RunConfig) -> dict[str, float]:
     """Every rank calls it; returns the trainers' last metrics ({} on capture ranks)."""
     init_distributed(cfg.backend)
     check_capture_ranks(cfg.capture_ranks, dist.get_world_size())
+    cfg = cfg.with_batch_layout(cfg.data_parallel_size(dist.get_world_size()))
     num_capture, world_size, timeout = cfg.capture_ranks, dist.get_world_size(), _timeout()
     # every rank creates every group, in the same order
     capture_group = dist.new_group(list(range(num_capture)), timeout=timeout)
@@ -177,11 +179,12 @@ def run_capture_rank(
         t: micro_batches(
             len(dataset),
             train.micro_batch_size,
+            train.grad_accum_steps,
             cfg.seed,
             t,
             num_trainers,
             epoch=state.epoch,
-            start_batch=state.batch_in_epoch,
+            start_step=state.step_in_epoch,
         )
         for t in mine
     }

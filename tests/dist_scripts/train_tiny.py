@@ -144,7 +144,7 @@ def train(backend, args, out: Path) -> None:
                 step + 1,
                 draft_config={"width": 32},
                 contract=CONTRACT,
-                train_state={"epoch": 0, "batch_in_epoch": step + 1},
+                train_state={"epoch": 0, "step_in_epoch": step + 1},
                 keep_last=2,
             )
 
