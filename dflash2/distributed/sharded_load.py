@@ -24,6 +24,7 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from dflash2.hf_weights import tensor_files
 
+READ_BLOCK_BYTES = 16 << 20  # host memory in flight per read, whatever the tensor's size
 # safetensors dtype names (https://github.com/huggingface/safetensors, format.md)
 SAFETENSORS_DTYPES = {
     "F64": torch.float64,
@@ -48,22 +49,25 @@ def _safetensors_header(path: Path) -> tuple[dict, int]:
     return header, 8 + header_size
 
 
-def _read_rows(path: Path, entry: dict, data_start: int, first_row: int, num_rows: int) -> torch.Tensor:
-    """Rows [first_row, first_row + num_rows) of one tensor of a safetensors file (a scalar: itself)."""
+def _copy_rows(path: Path, entry: dict, data_start: int, first_row: int, local: torch.Tensor) -> None:
+    """Copy rows [first_row, first_row + len(local)) of one tensor of a safetensors file into `local`
+    (a scalar: itself), through a host buffer of at most READ_BLOCK_BYTES, cast to local's dtype."""
     dtype, shape = SAFETENSORS_DTYPES[entry["dtype"]], entry["shape"]
     begin, end = entry["data_offsets"]
-    if not shape:
-        first_row, num_rows, row_bytes = 0, 1, end - begin
-    else:
-        row_bytes = (end - begin) // shape[0] if shape[0] else 0
-    buffer = bytearray(row_bytes * num_rows)
-    if buffer:  # empty for a rank whose shard has no rows (fewer rows than ranks)
-        with open(path, "rb", buffering=0) as f:
-            f.seek(data_start + begin + first_row * row_bytes)
+    rows = local.reshape(1, -1) if not shape else local  # a scalar is one row of one element
+    row_bytes = (end - begin) // max(1, shape[0]) if shape else end - begin
+    block_rows = max(1, READ_BLOCK_BYTES // max(1, row_bytes))
+    with open(path, "rb", buffering=0) as f:
+        for block in range(0, rows.shape[0], block_rows):
+            num_rows = min(block_rows, rows.shape[0] - block)
+            buffer = bytearray(row_bytes * num_rows)
+            if not buffer:  # zero-size rows
+                continue
+            f.seek(data_start + begin + (first_row + block) * row_bytes)
             if f.readinto(buffer) != len(buffer):
                 raise ValueError(f"{path}: truncated safetensors file; download the target again")
-    rows = torch.frombuffer(buffer, dtype=dtype) if buffer else torch.empty(0, dtype=dtype)
-    return rows.reshape(num_rows, *shape[1:]) if shape else rows.reshape(())
+            piece = torch.frombuffer(buffer, dtype=dtype).reshape(num_rows, *rows.shape[1:])
+            rows[block : block + num_rows].copy_(piece)
 
 
 def _local_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -86,9 +90,8 @@ def read_local_shards(model: nn.Module, names: dict[str, str], files: dict[str, 
             headers[path] = _safetensors_header(path)
         header, data_start = headers[path]
         local, first_row = _local_rows(tensor)
-        num_rows = local.shape[0] if local.dim() else 1
         with torch.no_grad():
-            local.copy_(_read_rows(path, header[checkpoint_name], data_start, first_row, num_rows))
+            _copy_rows(path, header[checkpoint_name], data_start, first_row, local)
 
 
 def build_on_meta(target_dir: str, dtype: torch.dtype) -> nn.Module:

@@ -74,14 +74,16 @@ def check_target(backend, args, out: Path) -> None:
 
 
 def compare_with_full_load(backend, target_dirs: list[str], out: Path) -> None:
-    """Load each target with the backend and with a plain `from_pretrained` (the full load) in this
-    process; save both loads' features, non-persistent buffers and head, and whether ties survived."""
+    """Load each target (in fp32, and the first one also in bf16) with the backend and with a plain
+    `from_pretrained` (the full load) in this process; save both loads' features, non-persistent
+    buffers and head, and whether ties survived."""
     from transformers import AutoModelForCausalLM
 
     input_ids, attention_mask = target_inputs()
-    for index, target_dir in enumerate(target_dirs):
-        loaded = {"backend": backend.load_target(target_dir, torch.float32)}
-        loaded["full"] = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    loads = [(d, torch.float32) for d in target_dirs] + [(d, torch.bfloat16) for d in target_dirs[:1]]
+    for index, (target_dir, dtype) in enumerate(loads):
+        loaded = {"backend": backend.load_target(target_dir, dtype)}
+        loaded["full"] = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
         tensors, tied = {}, {}
         for name, model in loaded.items():
             hidden = backend.target_hidden_states(model, input_ids, attention_mask)
