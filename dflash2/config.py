@@ -123,11 +123,6 @@ class RunConfig(_Section):
     def _check_topology(self) -> RunConfig:
         if self.topology == "disaggregated" and self.capture_ranks < 1:
             raise ValueError("topology=disaggregated needs capture_ranks >= 1 (ranks that run the target)")
-        if self.topology == "disaggregated" and self.backend == "deepspeed":
-            raise ValueError(
-                "topology=disaggregated needs backend=fsdp: this ZeRO-3 backend partitions over the whole "
-                "world, not over the trainer ranks alone"
-            )
         if self.topology == "colocated" and self.capture_ranks:
             raise ValueError(
                 f"capture_ranks={self.capture_ranks} is only meaningful with topology=disaggregated"

@@ -32,7 +32,7 @@ from dflash2.checkpoint import read_train_state, resume_point
 from dflash2.config import RunConfig, save_run_config
 from dflash2.data.loader import micro_batches, pad_token_id_of
 from dflash2.data.prepare import build_dataset
-from dflash2.distributed import Backend, build_backend, init_distributed, shutdown_distributed
+from dflash2.distributed import Backend, build_backend, init_distributed, role_scope, shutdown_distributed
 from dflash2.distributed.base import local_parameter_numel
 from dflash2.train import build_setup, fit
 
@@ -117,8 +117,7 @@ def run_offline_capture(cfg: RunConfig, out_dir: str | Path, *, batch_size: int,
 
 
 def check_capture_ranks(capture_ranks: int, world_size: int) -> None:
-    """At least one capture rank and one trainer rank (the run config has checked the rest of the
-    topology: backend=fsdp, capture_ranks >= 1)."""
+    """At least one capture rank and one trainer rank (the run config has checked capture_ranks >= 1)."""
     if not 1 <= capture_ranks < world_size:
         raise ValueError(
             f"capture_ranks={capture_ranks} must be in [1, {world_size - 1}] for {world_size} processes: "
@@ -144,11 +143,13 @@ def run_disaggregated(cfg: RunConfig) -> dict[str, float]:
     trainer_group = dist.new_group(list(range(num_capture, world_size)), timeout=timeout)
     transfer_group = dist.new_group(list(range(world_size)), timeout=timeout)
     t0 = time.perf_counter()
-    if dist.get_rank() < num_capture:
-        run_capture_rank(cfg, capture_group, transfer_group)
-        summary = {}
-    else:
-        summary = run_trainer_rank(cfg, trainer_group, transfer_group)
+    is_capture = dist.get_rank() < num_capture
+    with role_scope(cfg.backend, capture_group if is_capture else trainer_group):
+        if is_capture:
+            run_capture_rank(cfg, capture_group, transfer_group)
+            summary = {}
+        else:
+            summary = run_trainer_rank(cfg, trainer_group, transfer_group)
     dist.barrier(group=transfer_group)  # the job ends together (capture ranks may host the store)
     if dist.get_rank() == 0:
         print(f"[dflash2] disaggregated run done in {time.perf_counter() - t0:.1f} s", flush=True)

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM
 from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
 
 from dflash2.config import OptimConfig
-from dflash2.distributed import state_io
+from dflash2.distributed import deepspeed_groups, state_io
 from dflash2.distributed.base import Backend, build_optimizer
 from dflash2.distributed.ds_config import set_ds_value
 from dflash2.models.target_head import TargetHead, head_tensors
@@ -46,10 +46,10 @@ class DeepSpeedBackend(Backend):
 
     def __init__(self, ds_config: dict[str, Any], **kwargs) -> None:
         super().__init__(**kwargs)
+        # a sub-group only inside confine_deepspeed (the disaggregated roles), and one for both models
+        self.mpu = deepspeed_groups.active_mpu()
         if self.target_group is not None or self.draft_group is not None:
-            raise NotImplementedError(
-                "the deepspeed backend shards over the whole world; use fsdp for sub-groups"
-            )
+            assert self.mpu is not None and self.target_group is self.draft_group is self.mpu.group
         if ds_config.get("zero_optimization", {}).get("stage") != 3:
             raise ValueError("DeepSpeed config must set zero_optimization.stage = 3")
         self.ds_config = ds_config
@@ -78,7 +78,7 @@ class DeepSpeedBackend(Backend):
         finally:
             unset_hf_deepspeed_config()
         model.requires_grad_(False)
-        engine, *_ = deepspeed.initialize(model=model, config=config)
+        engine, *_ = deepspeed.initialize(model=model, config=config, mpu=self.mpu)
         engine.eval()
         return engine
 
@@ -102,7 +102,7 @@ class DeepSpeedBackend(Backend):
         draft.float()  # fp32 master weights; DeepSpeed keeps a bf16 working copy when bf16 is enabled
         optimizer, scheduler = build_optimizer([p for p in draft.parameters() if p.requires_grad], optim)
         self.engine, *_ = deepspeed.initialize(
-            model=draft, optimizer=optimizer, lr_scheduler=scheduler, config=config
+            model=draft, optimizer=optimizer, lr_scheduler=scheduler, config=config, mpu=self.mpu
         )
         self.compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         return self.engine
