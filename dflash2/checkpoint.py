@@ -4,7 +4,7 @@ state. This module alone knows the layout of a checkpoint directory; everything 
 Layout of `run_dir/checkpoints/step_XXXXXXXX/`:
   draft_config.json, draft.safetensors (full fp32 draft weights, what export reads), contract.json,
   train_state.json, rng_rank{r}.safetensors + rng_rank{r}.json, backend/ (each rank's shard of draft,
-  optimizer and scheduler state), COMPLETE (written last).
+  optimizer and scheduler state, readable by any number of ranks), COMPLETE (written last).
 A checkpoint is written into `.tmp-step_XXXXXXXX` and renamed when complete, so a crash mid-save
 never touches the previous checkpoint and a half-written directory is never picked.
 Everything loads from safetensors and JSON: no pickles.
@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash2.distributed.base import Backend
+from dflash2.distributed.state_io import check_backend_meta
 from dflash2.models.config import load_config_dict
 
 CHECKPOINTS = "checkpoints"
@@ -36,6 +37,7 @@ DRAFT_WEIGHTS = "draft.safetensors"
 DRAFT_CONFIG = "draft_config.json"
 CONTRACT = "contract.json"
 TRAIN_STATE = "train_state.json"
+BACKEND = "backend"  # the backend's sharded state (dflash2.distributed.state_io)
 
 
 @dataclass
@@ -44,7 +46,7 @@ class TrainState:
 
     step: int = 0  # optimizer steps done
     epoch: int = 0
-    batch_in_epoch: int = 0  # next global micro-batch of the epoch
+    step_in_epoch: int = 0  # optimizer steps done in this epoch (each one global batch)
 
 
 def step_dir_name(step: int) -> str:
@@ -175,7 +177,7 @@ def save_checkpoint(
         _write_json(tmp / CONTRACT, contract)
         _write_json(tmp / TRAIN_STATE, {**train_state, "step": step})
     _save_rng(tmp / f"rng_rank{backend.rank:05d}", generators or {})
-    backend.save_state(tmp / "backend")
+    backend.save_state(tmp / BACKEND)
     backend.barrier()
 
     if backend.is_main:
@@ -239,19 +241,29 @@ def load_checkpoint(
 ) -> dict:
     """Validate the contract, then restore backend state and this rank's RNG (collective); returns train_state.
 
-    Call after backend.setup_draft(); the draft must be built exactly as in the saved run.
+    Call after backend.setup_draft(); the draft must be built exactly as in the saved run. The number
+    of ranks may differ from the saved run's: the backend state is re-cut for this number of ranks,
+    and the per-rank RNG states (which nothing in the training step draws from: anchors come from
+    per-sample generators) are then left as they were at start-up.
     """
     ckpt_dir = Path(ckpt_dir)
     if not (ckpt_dir / COMPLETE).is_file():
         raise ValueError(f"{ckpt_dir} is not a complete checkpoint (no {COMPLETE} marker); use find_latest()")
+    num_saved_ranks = check_backend_meta(ckpt_dir / BACKEND, backend.name)
     validate_contract(json.loads((ckpt_dir / CONTRACT).read_text()), contract)
-    backend.load_state(ckpt_dir / "backend")
-    rng_prefix = ckpt_dir / f"rng_rank{backend.rank:05d}"
-    if not Path(str(rng_prefix) + ".safetensors").is_file():
+    backend.load_state(ckpt_dir / BACKEND, num_saved_ranks)
+    if num_saved_ranks == backend.world_size:
+        _load_rng(ckpt_dir / f"rng_rank{backend.rank:05d}", generators or {})
+    elif generators:
         raise ValueError(
-            f"{ckpt_dir} has no RNG state for rank {backend.rank}; resume on the same number of ranks"
+            f"{ckpt_dir} was saved by {num_saved_ranks} ranks, this run has {backend.world_size}: named "
+            "generators are per rank and cannot be re-cut; resume on the same number of ranks"
         )
-    _load_rng(rng_prefix, generators or {})
+    elif backend.is_main:
+        print(
+            f"[dflash2] resuming a checkpoint of {num_saved_ranks} ranks on {backend.world_size}: the "
+            "draft, optimizer and data position are re-cut; per-rank RNG states stay as at start-up"
+        )
     backend.barrier()
     return json.loads((ckpt_dir / TRAIN_STATE).read_text())
 

@@ -64,6 +64,9 @@ class TrainConfig(OptimConfig):
 
     micro_batch_size: int = Field(1, ge=1)
     grad_accum_steps: int = Field(1, ge=1)
+    # sequences per optimizer step; when set, it decides grad_accum_steps (global_batch_size /
+    # (micro_batch_size x data-parallel ranks)), so a job can resume on another number of GPUs
+    global_batch_size: int | None = Field(None, ge=1)
     # end this launch early (with a checkpoint), e.g. a time-limited job
     stop_at_step: int | None = Field(None, ge=1)
     log_every: int = Field(10, ge=1)
@@ -96,15 +99,30 @@ class RunConfig(_Section):
     def target_torch_dtype(self):
         return torch_dtype(self.model.target_dtype or self.precision)
 
+    def data_parallel_size(self, world_size: int) -> int:
+        """Ranks that train the draft: all of them, or those left after the capture ranks."""
+        return world_size - self.capture_ranks if self.topology == "disaggregated" else world_size
+
+    def with_batch_layout(self, data_parallel_size: int) -> RunConfig:
+        """This config with grad_accum_steps derived from train.global_batch_size (when set) for
+        `data_parallel_size` ranks training the draft; the value of grad_accum_steps is then ignored."""
+        t = self.train
+        if t.global_batch_size is None:
+            return self
+        per_step = t.micro_batch_size * data_parallel_size
+        if t.global_batch_size % per_step:
+            raise ValueError(
+                f"train.global_batch_size={t.global_batch_size} is not a multiple of micro_batch_size "
+                f"{t.micro_batch_size} x {data_parallel_size} data-parallel ranks = {per_step}; choose a "
+                f"multiple of {per_step}, or another micro_batch_size or number of ranks"
+            )
+        train = t.model_copy(update={"grad_accum_steps": t.global_batch_size // per_step})
+        return self.model_copy(update={"train": train})
+
     @model_validator(mode="after")
     def _check_topology(self) -> RunConfig:
         if self.topology == "disaggregated" and self.capture_ranks < 1:
             raise ValueError("topology=disaggregated needs capture_ranks >= 1 (ranks that run the target)")
-        if self.topology == "disaggregated" and self.backend == "deepspeed":
-            raise ValueError(
-                "topology=disaggregated needs backend=fsdp: this ZeRO-3 backend partitions over the whole "
-                "world, not over the trainer ranks alone"
-            )
         if self.topology == "colocated" and self.capture_ranks:
             raise ValueError(
                 f"capture_ranks={self.capture_ranks} is only meaningful with topology=disaggregated"

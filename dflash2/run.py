@@ -32,7 +32,7 @@ from dflash2.checkpoint import read_train_state, resume_point
 from dflash2.config import RunConfig, save_run_config
 from dflash2.data.loader import micro_batches, pad_token_id_of
 from dflash2.data.prepare import build_dataset
-from dflash2.distributed import Backend, build_backend, init_distributed, shutdown_distributed
+from dflash2.distributed import Backend, build_backend, init_distributed, role_scope, shutdown_distributed
 from dflash2.distributed.base import local_parameter_numel
 from dflash2.train import build_setup, fit
 
@@ -82,6 +82,7 @@ def offline_features(cfg: RunConfig) -> OfflineFeatures | None:
 
 def run_colocated(cfg: RunConfig) -> dict[str, float]:
     init_distributed(cfg.backend)
+    cfg = cfg.with_batch_layout(cfg.data_parallel_size(dist.get_world_size()))
     backend = run_backend(cfg)
     save_resolved_config(cfg, backend)
     return fit(cfg, build_setup(cfg, backend, features=offline_features(cfg)))
@@ -116,8 +117,7 @@ def run_offline_capture(cfg: RunConfig, out_dir: str | Path, *, batch_size: int,
 
 
 def check_capture_ranks(capture_ranks: int, world_size: int) -> None:
-    """At least one capture rank and one trainer rank (the run config has checked the rest of the
-    topology: backend=fsdp, capture_ranks >= 1)."""
+    """At least one capture rank and one trainer rank (the run config has checked capture_ranks >= 1)."""
     if not 1 <= capture_ranks < world_size:
         raise ValueError(
             f"capture_ranks={capture_ranks} must be in [1, {world_size - 1}] for {world_size} processes: "
@@ -136,17 +136,20 @@ def run_disaggregated(cfg: RunConfig) -> dict[str, float]:
     """Every rank calls it; returns the trainers' last metrics ({} on capture ranks)."""
     init_distributed(cfg.backend)
     check_capture_ranks(cfg.capture_ranks, dist.get_world_size())
+    cfg = cfg.with_batch_layout(cfg.data_parallel_size(dist.get_world_size()))
     num_capture, world_size, timeout = cfg.capture_ranks, dist.get_world_size(), _timeout()
     # every rank creates every group, in the same order
     capture_group = dist.new_group(list(range(num_capture)), timeout=timeout)
     trainer_group = dist.new_group(list(range(num_capture, world_size)), timeout=timeout)
     transfer_group = dist.new_group(list(range(world_size)), timeout=timeout)
     t0 = time.perf_counter()
-    if dist.get_rank() < num_capture:
-        run_capture_rank(cfg, capture_group, transfer_group)
-        summary = {}
-    else:
-        summary = run_trainer_rank(cfg, trainer_group, transfer_group)
+    is_capture = dist.get_rank() < num_capture
+    with role_scope(cfg.backend, capture_group if is_capture else trainer_group):
+        if is_capture:
+            run_capture_rank(cfg, capture_group, transfer_group)
+            summary = {}
+        else:
+            summary = run_trainer_rank(cfg, trainer_group, transfer_group)
     dist.barrier(group=transfer_group)  # the job ends together (capture ranks may host the store)
     if dist.get_rank() == 0:
         print(f"[dflash2] disaggregated run done in {time.perf_counter() - t0:.1f} s", flush=True)
@@ -177,11 +180,12 @@ def run_capture_rank(
         t: micro_batches(
             len(dataset),
             train.micro_batch_size,
+            train.grad_accum_steps,
             cfg.seed,
             t,
             num_trainers,
             epoch=state.epoch,
-            start_batch=state.batch_in_epoch,
+            start_step=state.step_in_epoch,
         )
         for t in mine
     }

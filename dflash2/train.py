@@ -50,8 +50,12 @@ class Setup:
 # ------------------------------------------------------------------ build
 
 
-def build_contract(cfg: RunConfig, draft_config: dict, world_size: int) -> dict:
-    """What a checkpoint is only valid for (training.md section 6); resume compares it field by field."""
+def build_contract(cfg: RunConfig, draft_config: dict, data_parallel_size: int) -> dict:
+    """What a checkpoint is only valid for (training.md section 6); resume compares it field by field.
+
+    The batch enters as the global batch of one optimizer step: how it is split into ranks,
+    micro-batches and accumulation steps may change between launches (the data order depends only
+    on it), so a run can resume on another number of ranks."""
     value = lambda name: draft_value(draft_config, name)  # noqa: E731
     return {
         "architecture": (draft_config.get("architectures") or ["DFlashDraftModel"])[0],
@@ -73,9 +77,7 @@ def build_contract(cfg: RunConfig, draft_config: dict, world_size: int) -> dict:
         "target": target_identity(cfg.model.target),
         "tokenizer": tokenizer_identity(cfg.model.target),
         "dataset": data_identity(cfg.data.train),
-        "micro_batch_size": cfg.train.micro_batch_size,
-        "grad_accum_steps": cfg.train.grad_accum_steps,
-        "data_parallel_size": world_size,
+        "global_batch_size": cfg.train.micro_batch_size * cfg.train.grad_accum_steps * data_parallel_size,
         "seed": cfg.seed,
     }
 
@@ -195,14 +197,21 @@ def fit(cfg: RunConfig, setup: Setup) -> dict[str, float]:
             print(f"[dflash2] resumed from {ckpt} at step {state.step}")
     start_step = state.step
     logger = TrainLogger(run_dir, cfg, start_step=start_step, enabled=backend.is_main)
+    t = cfg.train
+    if backend.is_main:
+        print(
+            f"[dflash2] global batch {setup.contract['global_batch_size']} samples per step: micro-batch "
+            f"{t.micro_batch_size} x {t.grad_accum_steps} accumulation steps x {backend.draft_world_size} ranks"
+        )
     stream = micro_batches(
         len(setup.dataset),
-        cfg.train.micro_batch_size,
+        t.micro_batch_size,
+        t.grad_accum_steps,
         cfg.seed,
         backend.rank,
         backend.draft_world_size,
         epoch=state.epoch,
-        start_batch=state.batch_in_epoch,
+        start_step=state.step_in_epoch,
     )
     summary: dict[str, float] = {}
     last_step = cfg.train.last_step
@@ -210,7 +219,7 @@ def fit(cfg: RunConfig, setup: Setup) -> dict[str, float]:
         t0 = time.perf_counter()
         micro, epochs = [], []
         for _ in range(cfg.train.grad_accum_steps):
-            epoch, state.batch_in_epoch, indices = next(stream)
+            epoch, state.step_in_epoch, indices = next(stream)
             micro.append(indices)
             epochs.append(epoch)
         state.epoch = epoch

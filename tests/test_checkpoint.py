@@ -20,7 +20,7 @@ CONTRACT = {"architecture": "DFlash2DraftModel", "block_size": 16, "target_layer
 class FakeBackend:
     """One rank, no process group: records what the checkpoint code asks of a backend."""
 
-    rank, world_size, is_main = 0, 1, True
+    name, rank, world_size, is_main = "fake", 0, 1, True
 
     def __init__(self, weight: float = 1.0) -> None:
         self.weight = weight
@@ -35,8 +35,10 @@ class FakeBackend:
     def save_state(self, ckpt_dir: Path) -> None:
         ckpt_dir.mkdir(parents=True)
         (ckpt_dir / "state.json").write_text(json.dumps({"weight": self.weight}))
+        state_io.write_backend_meta(ckpt_dir, self.name, self.world_size)
 
-    def load_state(self, ckpt_dir: Path) -> None:
+    def load_state(self, ckpt_dir: Path, num_saved_ranks: int) -> None:
+        assert num_saved_ranks == self.world_size
         self.weight = json.loads((ckpt_dir / "state.json").read_text())["weight"]
         self.loaded_from = ckpt_dir
 
@@ -48,7 +50,7 @@ def save(backend, run_dir: Path, step: int, keep_last: int = 3, **kwargs) -> Pat
         step,
         draft_config={"hidden_size": 8},
         contract=CONTRACT,
-        train_state={"epoch": 1, "batch_in_epoch": step * 2},
+        train_state={"epoch": 1, "step_in_epoch": step * 2},
         keep_last=keep_last,
         **kwargs,
     )
@@ -87,7 +89,7 @@ def test_checkpoint_layout_and_latest_pointer(tmp_path):
     assert torch.equal(load_file(str(ckpt / "draft.safetensors"))["layer.weight"], torch.full((2, 3), 2.0))
     assert json.loads((ckpt / "train_state.json").read_text()) == {
         "epoch": 1,
-        "batch_in_epoch": 10,
+        "step_in_epoch": 10,
         "step": 5,
     }
     assert (tmp_path / "checkpoints" / "latest").read_text().strip() == "step_00000005"
@@ -178,7 +180,7 @@ def test_state_io_round_trip_without_pickle(tmp_path):
     optimizer.step()
     state = {"optimizer": optimizer.state_dict(), "counters": {"global_steps": 3}, "none": None}
     state_io.save_state(state, tmp_path / "rank00000")
-    loaded = state_io.load_state(tmp_path / "rank00000")
+    loaded = state_io.ShardedState(tmp_path, 1).load(lambda shape: (0, 0))
     assert loaded["counters"] == {"global_steps": 3} and loaded["none"] is None
     assert loaded["optimizer"]["param_groups"][0]["betas"] == (0.9, 0.95)  # tuples stay tuples
     for index, param_state in state["optimizer"]["state"].items():  # int keys survive
@@ -186,3 +188,28 @@ def test_state_io_round_trip_without_pickle(tmp_path):
             assert torch.equal(loaded["optimizer"]["state"][index][key], value)
     with pytest.raises(TypeError, match="without pickling"):
         state_io.save_state({"object": object()}, tmp_path / "bad")
+
+
+@pytest.mark.parametrize("saved_ranks,new_ranks", [(3, 2), (2, 3), (1, 4), (4, 1)])
+def test_sharded_state_recuts_pieces_for_another_number_of_ranks(tmp_path, saved_ranks, new_ranks):
+    """Pieces of flattened tensors written by `saved_ranks` ranks (uneven, some empty) read back
+    as the pieces of `new_ranks` ranks: each equals that slice of the original tensor."""
+    full = {
+        "weight": torch.randn(7, 3, generator=torch.Generator().manual_seed(0)),
+        "bias": torch.arange(2, dtype=torch.bfloat16),  # fewer elements than ranks: empty pieces
+    }
+    for rank in range(saved_ranks):
+        pieces = {}
+        for name, tensor in full.items():
+            begin, end = state_io.chunk_range(tensor.numel(), rank, saved_ranks)
+            pieces[name] = state_io.FlatShard(tensor.reshape(-1)[begin:end], tuple(tensor.shape), begin)
+        state_io.save_state({"params": pieces, "step": torch.tensor(4.0)}, tmp_path / f"rank{rank:05d}")
+    saved = state_io.ShardedState(tmp_path, saved_ranks)
+    for rank in range(new_ranks):
+        loaded = saved.load(lambda shape, r=rank: state_io.chunk_range(int(np.prod(shape)), r, new_ranks))
+        for name, tensor in full.items():
+            begin, end = state_io.chunk_range(tensor.numel(), rank, new_ranks)
+            assert torch.equal(loaded["params"][name], tensor.reshape(-1)[begin:end]), (name, rank)
+        assert torch.equal(loaded["step"], torch.tensor(4.0))
+    with pytest.raises(ValueError, match="missing"):
+        state_io.ShardedState(tmp_path, saved_ranks + 1)

@@ -39,49 +39,65 @@ def test_epoch_order_is_a_permutation_fixed_by_seed_and_epoch():
     assert order != list(range(103))
 
 
-def _reference_batches(order, batch_size, world_size):
-    """Per global batch, per rank: cut the order into consecutive chunks of batch_size."""
-    chunks = [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
-    global_batches = []
-    while len(chunks) >= world_size and len(chunks[world_size - 1]) == batch_size:
-        global_batches.append(chunks[:world_size])
-        chunks = chunks[world_size:]
-    return global_batches
+def _reference_batches(order, batch_size, world_size, grad_accum_steps=1):
+    """Per optimizer step, per micro-step, per rank: consecutive chunks of batch_size, as long as a
+    whole step's worth is left."""
+    step_size = batch_size * world_size * grad_accum_steps
+    steps = []
+    while len(order) >= step_size:
+        step, order = order[:step_size], order[step_size:]
+        chunks = [step[i : i + batch_size] for i in range(0, step_size, batch_size)]
+        steps.append([chunks[j * world_size : (j + 1) * world_size] for j in range(grad_accum_steps)])
+    return steps
 
 
 @pytest.mark.parametrize(
-    "num_samples,batch_size,world_size", [(103, 4, 3), (24, 2, 4), (10, 3, 1), (5, 3, 2)]
+    "num_samples,batch_size,world_size,accum",
+    [(103, 4, 3, 1), (24, 2, 4, 1), (10, 3, 1, 1), (5, 3, 2, 1), (103, 4, 3, 2), (23, 2, 1, 3)],
 )
-def test_rank_batches_partition_each_global_batch(num_samples, batch_size, world_size):
+def test_rank_batches_partition_each_step(num_samples, batch_size, world_size, accum):
     order = epoch_order(num_samples, seed=1, epoch=0)
-    per_rank = [list(rank_batches(order, batch_size, rank, world_size)) for rank in range(world_size)]
-    expected = _reference_batches(order, batch_size, world_size)
-    assert all(
-        len(batches) == len(expected) == num_samples // (batch_size * world_size) for batches in per_rank
-    )
-    for step, global_batch in enumerate(expected):
-        taken = [per_rank[rank][step] for rank in range(world_size)]
-        assert taken == global_batch
-        flat = [index for batch in taken for index in batch]
-        assert len(set(flat)) == len(flat) == batch_size * world_size  # no overlap between ranks
+    per_rank = [list(rank_batches(order, batch_size, rank, world_size, accum)) for rank in range(world_size)]
+    expected = _reference_batches(order, batch_size, world_size, accum)
+    num_steps = num_samples // (batch_size * world_size * accum)
+    assert len(expected) == num_steps and all(len(b) == num_steps * accum for b in per_rank)
+    for step, micro_steps in enumerate(expected):
+        for micro, global_batch in enumerate(micro_steps):
+            taken = [per_rank[rank][step * accum + micro] for rank in range(world_size)]
+            assert taken == global_batch
     used = [index for batches in per_rank for batch in batches for index in batch]
     assert len(set(used)) == len(used)  # nothing repeats within the epoch
 
 
-def test_rank_batches_resume_at_start_batch():
+def test_a_step_trains_on_the_same_samples_whatever_the_split():
+    """Global batch 12: 3 ranks x 4, 1 rank x 4 x 3 micro-steps, 2 ranks x 2 x 3 micro-steps."""
+    order = epoch_order(50, seed=2, epoch=0)
+
+    def per_step(batch_size, world_size, accum):
+        micros = [list(rank_batches(order, batch_size, r, world_size, accum)) for r in range(world_size)]
+        return [
+            sorted(i for r in range(world_size) for m in micros[r][s * accum : (s + 1) * accum] for i in m)
+            for s in range(len(micros[0]) // accum)
+        ]
+
+    assert per_step(4, 3, 1) == per_step(4, 1, 3) == per_step(2, 2, 3)
+    assert len(per_step(4, 3, 1)) == 50 // 12
+
+
+def test_rank_batches_resume_at_start_step():
     order = epoch_order(50, seed=3, epoch=1)
     for rank in range(2):
-        full = list(rank_batches(order, 4, rank, 2))
-        assert list(rank_batches(order, 4, rank, 2, start_batch=4)) == full[4:]
-        assert list(rank_batches(order, 4, rank, 2, start_batch=len(full))) == []
+        full = list(rank_batches(order, 4, rank, 2, grad_accum_steps=2))
+        assert list(rank_batches(order, 4, rank, 2, 2, start_step=2)) == full[4:]
+        assert list(rank_batches(order, 4, rank, 2, 2, start_step=len(full) // 2)) == []
 
 
 @pytest.mark.parametrize(
     "kwargs,message",
     [
         ({"rank": 2, "world_size": 2}, "rank must be in"),
-        ({"batch_size": 0}, "batch_size and world_size must be >= 1"),
-        ({"start_batch": 99}, "start_batch must be in"),
+        ({"batch_size": 0}, "batch_size, world_size and grad_accum_steps must be >= 1"),
+        ({"start_step": 99}, "start_step must be in"),
     ],
 )
 def test_rank_batches_rejects_bad_arguments(kwargs, message):

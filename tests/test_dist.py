@@ -59,6 +59,15 @@ def target_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def load_targets(tiny_default, tmp_path_factory) -> list[Path]:
+    """Targets the 2-rank FSDP2 run loads both sharded and whole: the tiny default, and a tiny
+    Qwen3 with tied embeddings."""
+    tied = tmp_path_factory.mktemp("tied_target")
+    save_tiny_target(str(tied), tied=True)
+    return [tiny_default.target_dir, tied]
+
+
+@pytest.fixture(scope="module")
 def ds_configs(tmp_path_factory) -> dict[str, Path]:
     """The shipped ZeRO-3 configs, with every parameter partitioned (the tiny model is below the
     default persistence threshold, which would keep it whole on each rank)."""
@@ -82,7 +91,7 @@ SETUPS = {
 
 
 @pytest.fixture(scope="module")
-def runs(target_dir, ds_configs, tmp_path_factory):
+def runs(target_dir, ds_configs, load_targets, tmp_path_factory):
     """runs(backend, nproc): one training launch (checks + 4 steps, checkpoint at step 2) and, on 2
     ranks, a resumed launch from that checkpoint; each launched once per module."""
     cache = {}
@@ -91,8 +100,9 @@ def runs(target_dir, ds_configs, tmp_path_factory):
         if (backend, nproc) not in cache:
             precision, ds_config = SETUPS[backend, nproc]
             ds_config_path = ds_configs[ds_config] if ds_config else None
+            compare = load_targets if (backend, nproc) == ("fsdp", 2) else []
             cache[backend, nproc] = launch_pair(
-                backend, nproc, precision, target_dir, ds_config_path, tmp_path_factory
+                backend, nproc, precision, target_dir, ds_config_path, tmp_path_factory, compare
             )
         return cache[backend, nproc]
 
@@ -100,14 +110,19 @@ def runs(target_dir, ds_configs, tmp_path_factory):
 
 
 def launch_pair(
-    backend: str, nproc: int, precision: str, target_dir: Path, ds_config: Path | None, tmp_path_factory
+    backend: str,
+    nproc: int,
+    precision: str,
+    target_dir: Path,
+    ds_config: Path | None,
+    tmp_path_factory,
+    compare_load: list[Path],
 ) -> dict:
     base = tmp_path_factory.mktemp(f"{backend}{nproc}")
     common = ["--backend", backend, "--target-dir", str(target_dir), "--run-dir", str(base / "run")]
     common += ["--precision", precision] + (["--ds-config", str(ds_config)] if ds_config else [])
-    first = launch(
-        nproc, [*common, "--out", str(base / "first"), "--steps", str(STEPS), "--save-at", str(SAVE_AT)]
-    )
+    first_args = ["--out", str(base / "first"), "--steps", str(STEPS), "--save-at", str(SAVE_AT)]
+    first = launch(nproc, [*common, *first_args, "--compare-load", *map(str, compare_load)])
     check_ok(first)
     resumed = None
     if nproc == 2:
@@ -153,6 +168,24 @@ def test_target_hidden_states_and_head_match_unsharded_model(runs, backend, npro
         torch.testing.assert_close(got["hidden"], expected, atol=1e-5, rtol=1e-5)
         assert torch.equal(got["embed"], reference.get_input_embeddings().weight)
         assert torch.equal(got["lm_head"], reference.get_output_embeddings().weight)
+
+
+def test_sharded_fsdp_load_equals_the_full_load(runs):
+    """FSDP2 builds the target on meta and reads each rank's shards; against a plain from_pretrained
+    in the same process: identical features, non-persistent buffers (rotary inv_freq) and LM head,
+    and tied embeddings stay one tensor."""
+    run = runs("fsdp", 2)
+    # the tiny default in fp32, the tied target in fp32, the tiny default read from fp32 into bf16
+    for index, expect_tied in enumerate([False, True, False]):
+        for rank in range(2):
+            got = load_file(str(run["base"] / "first" / f"load{index}_rank{rank}.safetensors"))
+            sharded = {k.split(".", 1)[1]: v for k, v in got.items() if k.startswith("backend.")}
+            full = {k.split(".", 1)[1]: v for k, v in got.items() if k.startswith("full.")}
+            assert sharded.keys() == full.keys() and any(k.startswith("buffer.") for k in full)
+            for key in full:
+                assert torch.equal(sharded[key], full[key]), (index, rank, key)
+            tied = json.loads((run["base"] / "first" / f"load{index}_tied_rank{rank}.json").read_text())
+            assert tied == {"backend": expect_tied, "full": expect_tied}
 
 
 def reference_training(initial: dict[str, torch.Tensor], seeds_per_rank: list[list[int]]):

@@ -132,6 +132,11 @@ def test_sbatch_requeues_on_usr1(tmp_path):
     output, _ = process.communicate(timeout=30)
     assert process.returncode == 0, output
     assert "requeue 77" in scontrol_log.read_text().splitlines()
+    # the recorded job has 1 node x 4 GPUs; the tiny config's micro-batch is 8
+    assert (
+        "global batch 32: micro-batch 8 x 1 accumulation steps x 4 ranks; set train.global_batch_size"
+        in output
+    )
     srun_args = srun_log.read_text().splitlines()
     assert srun_args[:3] == ["--kill-on-bad-exit=1", "--nodes=1", "--ntasks-per-node=1"]
     assert srun_args[-4:] == [
@@ -147,6 +152,27 @@ def test_sbatch_refuses_a_config_that_cannot_resume(tmp_path):
     output, _ = process.communicate(timeout=60)
     assert process.returncode != 0 and "train.resume='none'" in output
     assert not srun_log.exists()
+
+
+def test_sbatch_derives_accumulation_from_the_global_batch_or_refuses_it(tmp_path):
+    """train.global_batch_size on the recorded 4-GPU job: 32 with micro-batch 2 is 4 accumulation
+    steps (so a requeue onto another number of GPUs keeps the batch); 12 cannot be split, refused
+    before srun."""
+    process, srun_log, _ = start_sbatch(tmp_path, ["train.micro_batch_size=2", "train.global_batch_size=12"])
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode != 0 and not srun_log.exists()
+    assert "train.global_batch_size=12 is not a multiple of micro_batch_size 2 x 4" in output
+    assert "(this job has 4 GPUs)" in output
+    process, srun_log, _ = start_sbatch(tmp_path, ["train.micro_batch_size=2", "train.global_batch_size=32"])
+    deadline = time.monotonic() + 60
+    while not srun_log.exists():
+        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[0]
+        time.sleep(0.2)
+    process.send_signal(signal.SIGUSR1)  # ends the stub step as a requeue does
+    assert (
+        "global batch 32: micro-batch 2 x 4 accumulation steps x 4 ranks\n"
+        in process.communicate(timeout=30)[0]
+    )
 
 
 def free_port() -> int:
@@ -187,7 +213,7 @@ def test_two_nodes_simulated_with_two_torchrun_agents(tiny_default, tmp_path):
         assert agent.returncode == 0, output[-4000:]
     checkpoint = run_dir / "checkpoints" / "step_00000003"
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == checkpoint.name
-    assert json.loads((checkpoint / "contract.json").read_text())["data_parallel_size"] == 2
+    assert json.loads((checkpoint / "contract.json").read_text())["global_batch_size"] == 4  # 2 ranks x 2
     assert {p.name for p in (checkpoint / "backend").glob("rank*.safetensors")} == {
         "rank00000.safetensors",
         "rank00001.safetensors",

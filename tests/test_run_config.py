@@ -40,7 +40,7 @@ def test_overrides_are_typed_and_validated():
         ("train.max_steps=0", "train.max_steps: Input should be greater than or equal to 1"),
         ("objective.selector_mode=soft", "objective.selector_mode"),
         ("topology=disaggregated", "capture_ranks >= 1"),
-        ("topology=disaggregated capture_ranks=1", "needs backend=fsdp"),
+        ("train.global_batch_size=0", "train.global_batch_size: Input should be greater than or equal to 1"),
         ("train.warmup_steps=-1", "train.warmup_steps"),
         ("train.max_steps", "must look like key=value"),
     ],
@@ -48,3 +48,22 @@ def test_overrides_are_typed_and_validated():
 def test_bad_values_name_the_key(override, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_run_config(ROOT / "configs/tiny-dflash2.yaml", override.split(" "))
+
+
+def test_global_batch_size_decides_the_accumulation_steps_for_the_ranks():
+    cfg = load_run_config(
+        ROOT / "configs/tiny-dflash2.yaml",
+        [
+            "output_dir=x",
+            "train.micro_batch_size=2",
+            "train.grad_accum_steps=5",
+            "train.global_batch_size=16",
+        ],
+    )
+    assert [cfg.with_batch_layout(ranks).train.grad_accum_steps for ranks in (1, 2, 4, 8)] == [8, 4, 2, 1]
+    with pytest.raises(ValueError, match="global_batch_size=16 is not a multiple of micro_batch_size 2 x 3"):
+        cfg.with_batch_layout(3)
+    unset = cfg.model_copy(update={"train": cfg.train.model_copy(update={"global_batch_size": None})})
+    assert unset.with_batch_layout(4).train.grad_accum_steps == 5  # without it, the config's value
+    disaggregated = cfg.model_copy(update={"topology": "disaggregated", "capture_ranks": 2})
+    assert disaggregated.data_parallel_size(6) == 4 and cfg.data_parallel_size(6) == 6

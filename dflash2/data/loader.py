@@ -1,11 +1,14 @@
 """Collation and a deterministic, resumable data-parallel sample order.
 
 Order: every epoch is a permutation of the sample indices that depends only on (seed, epoch)
-(`epoch_order`). The permutation is cut into global batches of `world_size * batch_size` samples;
-rank r takes the r-th slice of `batch_size` samples of each global batch (`rank_batches`). An
-incomplete last global batch is dropped, so every rank runs the same number of steps. Resuming at
-global batch `start_batch` of an epoch yields exactly the batches an uninterrupted run would
-have yielded from there, so a checkpoint only needs (epoch, next batch index).
+(`epoch_order`). The permutation is cut into global batches of one optimizer step each,
+`world_size * grad_accum_steps * batch_size` samples; an incomplete last one is dropped, so every
+rank runs the same number of steps and no step spans two epochs. Micro-step j of a step takes the
+j-th slice of `world_size * batch_size` samples of its global batch, and rank r the r-th slice of
+`batch_size` samples of that (`rank_batches`). Which samples a step trains on depends only on the
+global batch size, not on how it is split into ranks and micro-steps, so a run can resume on another
+number of ranks; resuming at step `start_step` of an epoch yields exactly the batches an
+uninterrupted run would have yielded from there, so a checkpoint only needs (epoch, step in epoch).
 """
 
 from __future__ import annotations
@@ -52,57 +55,69 @@ def epoch_order(num_samples: int, seed: int, epoch: int) -> list[int]:
     return np.random.default_rng([seed, epoch]).permutation(num_samples).tolist()
 
 
-def num_global_batches(num_samples: int, batch_size: int, world_size: int) -> int:
-    """Full global batches per epoch (the incomplete last one is dropped)."""
-    return num_samples // (batch_size * world_size)
+def num_steps_per_epoch(num_samples: int, global_batch_size: int) -> int:
+    """Full global batches (optimizer steps) per epoch; the incomplete last one is dropped."""
+    return num_samples // global_batch_size
 
 
 def rank_batches(
-    order: Sequence[int], batch_size: int, rank: int, world_size: int, start_batch: int = 0
+    order: Sequence[int],
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    grad_accum_steps: int = 1,
+    start_step: int = 0,
 ) -> Iterator[list[int]]:
-    """Yield this rank's sample indices for global batches start_batch, start_batch + 1, ...
+    """Yield this rank's micro-batches of sample indices, `grad_accum_steps` per optimizer step, for
+    steps start_step, start_step + 1, ... of the epoch.
 
-    Global batch i is `order[i*G : (i+1)*G]` with G = world_size * batch_size; rank r takes
-    `[r*batch_size : (r+1)*batch_size]` of it.
+    Step k's global batch is `order[k*S : (k+1)*S]` with S = world_size * grad_accum_steps *
+    batch_size; its micro-step j is `[j*G : (j+1)*G]` of that with G = world_size * batch_size, and
+    rank r takes `[r*batch_size : (r+1)*batch_size]` of the micro-step.
     """
-    if batch_size < 1 or world_size < 1:
-        raise ValueError(f"batch_size and world_size must be >= 1, got {batch_size} and {world_size}")
+    if batch_size < 1 or world_size < 1 or grad_accum_steps < 1:
+        raise ValueError(
+            f"batch_size, world_size and grad_accum_steps must be >= 1, got {batch_size}, {world_size} "
+            f"and {grad_accum_steps}"
+        )
     if not 0 <= rank < world_size:
         raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    num_batches = num_global_batches(len(order), batch_size, world_size)
-    if not 0 <= start_batch <= num_batches:
-        raise ValueError(f"start_batch must be in [0, {num_batches}] for this epoch, got {start_batch}")
-    global_size = world_size * batch_size
-    for batch in range(start_batch, num_batches):
-        first = batch * global_size + rank * batch_size
+    micro_size = world_size * batch_size
+    num_steps = num_steps_per_epoch(len(order), micro_size * grad_accum_steps)
+    if not 0 <= start_step <= num_steps:
+        raise ValueError(f"start_step must be in [0, {num_steps}] for this epoch, got {start_step}")
+    first_micro = start_step * grad_accum_steps
+    for micro in range(first_micro, num_steps * grad_accum_steps):
+        first = micro * micro_size + rank * batch_size
         yield list(order[first : first + batch_size])
 
 
 def micro_batches(
     num_samples: int,
     batch_size: int,
+    grad_accum_steps: int,
     seed: int,
     rank: int,
     num_ranks: int,
     *,
     epoch: int = 0,
-    start_batch: int = 0,
+    start_step: int = 0,
 ) -> Iterator[tuple[int, int, list[int]]]:
-    """Data-parallel rank `rank`'s micro-batches in the deterministic order, endlessly, from global
-    batch `start_batch` of `epoch` on (a checkpoint's data position). Yields (epoch, position after
-    this batch, sample indices)."""
-    per_global = batch_size * num_ranks
-    if num_samples < per_global:
+    """Data-parallel rank `rank`'s micro-batches in the deterministic order, endlessly, from
+    optimizer step `start_step` of `epoch` on (a checkpoint's data position). Yields (epoch, steps
+    of the epoch done once this micro-batch's step is, sample indices)."""
+    global_batch = batch_size * grad_accum_steps * num_ranks
+    if num_samples < global_batch:
         raise ValueError(
-            f"the dataset has {num_samples} samples, fewer than one global micro-batch "
-            f"(micro_batch_size {batch_size} x {num_ranks} ranks)"
+            f"the dataset has {num_samples} samples, fewer than one global batch (micro_batch_size "
+            f"{batch_size} x grad_accum_steps {grad_accum_steps} x {num_ranks} ranks)"
         )
     while True:
         order = epoch_order(num_samples, seed, epoch)
-        batches = rank_batches(order, batch_size, rank, num_ranks, start_batch=start_batch)
-        for position, indices in enumerate(batches, start=start_batch + 1):
-            yield epoch, position, indices
-        epoch, start_batch = epoch + 1, 0
+        batches = rank_batches(order, batch_size, rank, num_ranks, grad_accum_steps, start_step)
+        for micro, indices in enumerate(batches):
+            yield epoch, start_step + micro // grad_accum_steps + 1, indices
+        epoch, start_step = epoch + 1, 0
 
 
 def anchor_generators(seed: int, epoch: int, indices: list[int]) -> list[torch.Generator]:

@@ -145,11 +145,13 @@ class Backend(ABC):
 
     @abstractmethod
     def save_state(self, ckpt_dir: Path) -> None:
-        """Each rank writes its shard of draft, optimizer and scheduler state into ckpt_dir (collective)."""
+        """Each rank writes its shard of draft, optimizer and scheduler state into ckpt_dir, sharded
+        tensors as pieces of the full tensors (state_io), so any number of ranks can load it (collective)."""
 
     @abstractmethod
-    def load_state(self, ckpt_dir: Path) -> None:
-        """Restore what save_state wrote, on the same number of ranks (collective)."""
+    def load_state(self, ckpt_dir: Path, num_saved_ranks: int) -> None:
+        """Restore what save_state wrote on `num_saved_ranks` ranks, on this number of ranks: each
+        rank reads its part of every tensor from the saved ranks' pieces (collective)."""
 
     def _write_rank_state(self, ckpt_dir: Path, state: dict) -> None:
         """save_state's files: this rank's `state` under ckpt_dir, the backend meta (rank 0), a barrier."""
@@ -159,10 +161,13 @@ class Backend(ABC):
             state_io.write_backend_meta(ckpt_dir, self.name, self.world_size)
         self.barrier()
 
-    def _read_rank_state(self, ckpt_dir: Path) -> dict:
-        """This rank's state written by _write_rank_state, after checking backend and world size."""
-        state_io.check_backend_meta(ckpt_dir, self.name, self.world_size)
-        return state_io.load_state(ckpt_dir / f"rank{self.rank:05d}")
+    def _read_rank_state(
+        self, ckpt_dir: Path, num_saved_ranks: int, local_range: Callable[[tuple[int, ...]], tuple[int, int]]
+    ) -> dict:
+        """This rank's part of what `num_saved_ranks` ranks wrote with _write_rank_state: plain values
+        as rank 0 saved them, and of each sharded tensor of shape s the elements `local_range(s)`
+        (1-D), gathered from the saved ranks' pieces (state_io)."""
+        return state_io.ShardedState(ckpt_dir, num_saved_ranks).load(local_range)
 
     def _check_micro_step(self, micro_steps: int) -> None:
         if micro_steps != self.grad_accum_steps:

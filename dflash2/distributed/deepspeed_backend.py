@@ -3,20 +3,30 @@
 from __future__ import annotations
 
 import copy
+import math
 from pathlib import Path
 from typing import Any, Literal
 
 import deepspeed
 import torch
-from deepspeed.utils import safe_get_full_fp32_param
+from deepspeed.utils import (
+    safe_get_full_fp32_param,
+    safe_get_local_fp32_param,
+    safe_get_local_optimizer_state,
+    safe_set_local_fp32_param,
+    safe_set_local_optimizer_state,
+)
 from torch import nn
 from transformers import AutoModelForCausalLM
 from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
 
 from dflash2.config import OptimConfig
+from dflash2.distributed import deepspeed_groups, state_io
 from dflash2.distributed.base import Backend, build_optimizer
 from dflash2.distributed.ds_config import set_ds_value
 from dflash2.models.target_head import TargetHead, head_tensors
+
+OPTIMIZER_KEYS = ("fp32", "exp_avg", "exp_avg_sq")  # fp32: the master weights
 
 
 class _Zero3Config:
@@ -36,10 +46,10 @@ class DeepSpeedBackend(Backend):
 
     def __init__(self, ds_config: dict[str, Any], **kwargs) -> None:
         super().__init__(**kwargs)
+        # a sub-group only inside confine_deepspeed (the disaggregated roles), and one for both models
+        self.mpu = deepspeed_groups.active_mpu()
         if self.target_group is not None or self.draft_group is not None:
-            raise NotImplementedError(
-                "the deepspeed backend shards over the whole world; use fsdp for sub-groups"
-            )
+            assert self.mpu is not None and self.target_group is self.draft_group is self.mpu.group
         if ds_config.get("zero_optimization", {}).get("stage") != 3:
             raise ValueError("DeepSpeed config must set zero_optimization.stage = 3")
         self.ds_config = ds_config
@@ -68,7 +78,7 @@ class DeepSpeedBackend(Backend):
         finally:
             unset_hf_deepspeed_config()
         model.requires_grad_(False)
-        engine, *_ = deepspeed.initialize(model=model, config=config)
+        engine, *_ = deepspeed.initialize(model=model, config=config, mpu=self.mpu)
         engine.eval()
         return engine
 
@@ -92,7 +102,7 @@ class DeepSpeedBackend(Backend):
         draft.float()  # fp32 master weights; DeepSpeed keeps a bf16 working copy when bf16 is enabled
         optimizer, scheduler = build_optimizer([p for p in draft.parameters() if p.requires_grad], optim)
         self.engine, *_ = deepspeed.initialize(
-            model=draft, optimizer=optimizer, lr_scheduler=scheduler, config=config
+            model=draft, optimizer=optimizer, lr_scheduler=scheduler, config=config, mpu=self.mpu
         )
         self.compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         return self.engine
@@ -140,11 +150,19 @@ class DeepSpeedBackend(Backend):
         return state if self.is_main else None
 
     def save_state(self, ckpt_dir: Path) -> None:
+        """Per trainable parameter, by name: this rank's partition of the fp32 master weights and of
+        AdamW's moments (pieces of the flattened parameter, state_io), plus what all ranks share."""
         engine = self._require_engine()
-        optimizer_state = engine.optimizer.state_dict()
-        optimizer_state.pop("loss_scaler")  # an object; bf16/fp32 training uses no loss scaling
+        partitions = {
+            name: {key: self._saved_partition(param, key) for key in OPTIMIZER_KEYS}
+            for name, param in self._trainable().items()
+        }
+        adamw = engine.optimizer.optimizer  # the torch AdamW that ZeRO-3 steps on its flat partitions
+        (step,) = {float(s["step"]) for s in adamw.state.values()}  # one per flat partition, all equal
         state = {
-            "optimizer": optimizer_state,
+            "partitions": partitions,
+            "optimizer_step": step,
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in adamw.param_groups],
             "lr_scheduler": engine.lr_scheduler.state_dict(),
             "engine": {
                 "global_steps": engine.global_steps,
@@ -155,20 +173,67 @@ class DeepSpeedBackend(Backend):
         }
         self._write_rank_state(ckpt_dir, state)
 
-    def load_state(self, ckpt_dir: Path) -> None:
+    def load_state(self, ckpt_dir: Path, num_saved_ranks: int) -> None:
         engine = self._require_engine()
-        state = self._read_rank_state(ckpt_dir)
-        optimizer_state = state["optimizer"]
-        optimizer_state["loss_scaler"] = engine.optimizer.loss_scaler
-        # ZeRO-3 picks entry [dp rank] of the list: each rank hands in only its own partition
-        per_rank = [None] * self.world_size
-        per_rank[self.rank] = optimizer_state
-        engine.optimizer.load_state_dict(per_rank, load_optimizer_states=True, load_from_fp32_weights=True)
+        local_range = lambda shape: state_io.chunk_range(math.prod(shape), self.rank, self.world_size)  # noqa: E731
+        state = self._read_rank_state(ckpt_dir, num_saved_ranks, local_range)
+        self._restore_optimizer_globals(state)
+        for name, param in self._trainable().items():
+            saved = state["partitions"][name]
+            for key in OPTIMIZER_KEYS:
+                self._restore_partition(param, key, saved[key])
+        self._release_persistent_parameters()
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
         for key, value in state["engine"].items():
             setattr(engine, key, value)
         self._micro_steps = 0
         self.barrier()
+
+    def _trainable(self) -> dict[str, nn.Parameter]:
+        module = _unwrap(self._require_engine())
+        return {name: p for name, p in module.named_parameters() if p.requires_grad}
+
+    def _saved_partition(self, param: nn.Parameter, key: str) -> state_io.FlatShard:
+        """This rank's ZeRO-3 partition of `param`'s fp32 weights or AdamW moment, without the padding."""
+        if key == "fp32":
+            local = safe_get_local_fp32_param(param)
+        else:
+            local = safe_get_local_optimizer_state(param, key)
+        begin, end = state_io.chunk_range(param.ds_numel, self.rank, self.world_size)
+        return state_io.FlatShard(local.reshape(-1)[: end - begin], tuple(param.ds_shape), begin)
+
+    def _restore_partition(self, param: nn.Parameter, key: str, piece: torch.Tensor) -> None:
+        """Write this rank's part of the saved full tensor into the partition (zero padding after the
+        last element, as ZeRO-3 pads); the weights also into the partition the forward gathers."""
+        partition = torch.zeros(param.ds_tensor.ds_numel, dtype=torch.float32, device=self.device)
+        partition[: piece.numel()] = piece
+        if key == "fp32":
+            safe_set_local_fp32_param(param, partition)
+            with torch.no_grad():  # what ZeRO-3's own loader does: working weights from the fp32 master
+                param.ds_tensor.data.copy_(partition)
+        else:
+            safe_set_local_optimizer_state(param, partition, key)
+
+    def _restore_optimizer_globals(self, state: dict) -> None:
+        """AdamW's step count and hyper-parameters; its moments start as zeros, to be overwritten."""
+        optimizer = self._require_engine().optimizer
+        adamw = optimizer.optimizer
+        for flat in optimizer.fp32_partitioned_groups_flat:
+            # torch AdamW creates this state at its first step: it must exist before the moments are written
+            adamw.state[flat] = {
+                "step": torch.tensor(state["optimizer_step"], dtype=torch.float32),
+                "exp_avg": torch.zeros_like(flat),
+                "exp_avg_sq": torch.zeros_like(flat),
+            }
+        for group, saved in zip(adamw.param_groups, state["param_groups"], strict=True):
+            group.update(saved)
+
+    def _release_persistent_parameters(self) -> None:
+        """Parameters kept gathered (below stage3_param_persistence_threshold) still hold the old
+        weights: release them, as ZeRO-3's own loader does, so the next forward gathers the restored ones."""
+        persistent = self._require_engine().optimizer.persistent_parameters
+        if persistent:
+            persistent[0].partition(persistent)
 
 
 def _unwrap(module: nn.Module) -> nn.Module:

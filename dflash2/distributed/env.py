@@ -6,6 +6,7 @@ import json
 import os
 import socket
 import sys
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Literal
 
@@ -84,6 +85,17 @@ def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def role_scope(name: BackendName, group: dist.ProcessGroup) -> AbstractContextManager:
+    """What backend `name` needs for a role that runs on `group` alone while the rest of the world
+    runs other code (the disaggregated topology): build and use the backend inside it. DeepSpeed's
+    world-wide collectives are confined to the group; FSDP2 needs nothing."""
+    if name != "deepspeed":
+        return nullcontext()
+    from dflash2.distributed.deepspeed_groups import confine_deepspeed
+
+    return confine_deepspeed(group)
 
 
 def build_backend(

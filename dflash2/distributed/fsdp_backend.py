@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Literal
 
@@ -10,11 +11,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dflash2.config import OptimConfig
 from dflash2.distributed.base import Backend, build_optimizer, sharded_block_types
+from dflash2.distributed.sharded_load import load_sharded_target
 from dflash2.models.target_head import TargetHead, head_tensors
 
 
@@ -56,16 +58,15 @@ class FSDPBackend(Backend):
     def load_target(self, target_dir: str, dtype: torch.dtype) -> nn.Module:
         if dtype not in (torch.float32, torch.bfloat16):
             raise ValueError(f"target dtype must be float32 or bfloat16 (fp16 is unsupported), got {dtype}")
-        # every rank reads the full weights to CPU once; fully_shard then keeps only its own shard
-        model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype)
+        # built on the meta device and sharded first: each rank reads only its own shards from disk
+        return load_sharded_target(target_dir, dtype, self.device, self._shard_target)
+
+    def _shard_target(self, model: nn.Module) -> None:
         if not sharded_block_types(model):
             raise ValueError(
                 f"target {type(model).__name__} declares no _no_split_modules (decoder layer class)"
             )
-        model.requires_grad_(False)
-        model.eval()
         self._shard(model, self.target_mesh)
-        return model.to(self.device)
 
     def target_head(self, target: nn.Module, dtype: torch.dtype) -> TargetHead:
         tensors = head_tensors(target)
@@ -138,20 +139,27 @@ class FSDPBackend(Backend):
         }
         self._write_rank_state(ckpt_dir, state)
 
-    def load_state(self, ckpt_dir: Path) -> None:
+    def load_state(self, ckpt_dir: Path, num_saved_ranks: int) -> None:
         draft = self._require_draft()
-        state = self._read_rank_state(ckpt_dir)
+        state = self._read_rank_state(ckpt_dir, num_saved_ranks, self._local_range)
         with torch.no_grad():
             for name, tensor in draft.state_dict().items():
                 local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-                local.copy_(state["model"][name])
+                local.copy_(state["model"][name].view(local.shape))
         self.optimizer.load_state_dict(self._as_dtensors(state["optimizer"]))
         self.scheduler.load_state_dict(state["lr_scheduler"])
         self._micro_steps = 0
         self.barrier()
 
+    def _local_range(self, shape: tuple[int, ...]) -> tuple[int, int]:
+        """The elements of a tensor of `shape` (flattened) that this rank's dim-0 shard holds."""
+        local_shape, offset = compute_local_shape_and_global_offset(shape, self.draft_mesh, (Shard(0),))
+        row_numel = math.prod(shape[1:])
+        begin = offset[0] * row_numel if local_shape[0] else 0
+        return begin, begin + math.prod(local_shape)
+
     def _as_dtensors(self, optimizer_state: dict) -> dict:
-        """Wrap saved local shards of per-parameter optimizer state back into DTensors like their params."""
+        """Wrap this rank's pieces of per-parameter optimizer state into DTensors like their params."""
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         for index, param_state in optimizer_state["state"].items():
             param = params[index]
@@ -160,7 +168,7 @@ class FSDPBackend(Backend):
             for key, value in param_state.items():
                 if isinstance(value, torch.Tensor) and value.dim() > 0:
                     param_state[key] = DTensor.from_local(
-                        value.to(self.device),
+                        value.view(param.to_local().shape).to(self.device),
                         param.device_mesh,
                         param.placements,
                         shape=param.shape,

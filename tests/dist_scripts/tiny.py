@@ -10,7 +10,7 @@ NUM_FEATURES = 12
 NUM_CLASSES = 7
 
 
-def save_tiny_target(target_dir: str, num_layers: int = 2, seed: int = 0) -> None:
+def save_tiny_target(target_dir: str, num_layers: int = 2, seed: int = 0, tied: bool = False) -> None:
     """A random Qwen3ForCausalLM (hidden 64, vocab 256) saved as safetensors."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
@@ -24,7 +24,7 @@ def save_tiny_target(target_dir: str, num_layers: int = 2, seed: int = 0) -> Non
         num_key_value_heads=2,
         head_dim=16,
         max_position_embeddings=128,
-        tie_word_embeddings=False,
+        tie_word_embeddings=tied,
     )
     Qwen3ForCausalLM(config).save_pretrained(target_dir)
 

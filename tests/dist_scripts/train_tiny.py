@@ -73,6 +73,32 @@ def check_target(backend, args, out: Path) -> None:
     )
 
 
+def compare_with_full_load(backend, target_dirs: list[str], out: Path) -> None:
+    """Load each target (in fp32, and the first one also in bf16) with the backend and with a plain
+    `from_pretrained` (the full load) in this process; save both loads' features, non-persistent
+    buffers and head, and whether ties survived."""
+    from transformers import AutoModelForCausalLM
+
+    input_ids, attention_mask = target_inputs()
+    loads = [(d, torch.float32) for d in target_dirs] + [(d, torch.bfloat16) for d in target_dirs[:1]]
+    for index, (target_dir, dtype) in enumerate(loads):
+        loaded = {"backend": backend.load_target(target_dir, dtype)}
+        loaded["full"] = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
+        tensors, tied = {}, {}
+        for name, model in loaded.items():
+            hidden = backend.target_hidden_states(model, input_ids, attention_mask)
+            tensors[f"{name}.hidden"] = torch.stack([h.cpu() for h in hidden]).contiguous()
+            persistent = set(model.state_dict())
+            for key, buffer in model.named_buffers():
+                if key not in persistent:
+                    tensors[f"{name}.buffer.{key}"] = buffer.cpu().contiguous()
+            head = backend.target_head(model, torch.float32)
+            tensors[f"{name}.lm_head"] = head.lm_head_weight.cpu().contiguous()
+            tied[name] = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        save_file(tensors, str(out / f"load{index}_rank{backend.rank}.safetensors"))
+        (out / f"load{index}_tied_rank{backend.rank}.json").write_text(json.dumps(tied))
+
+
 def draw_seed() -> int:
     """Consumes torch, python and numpy RNG, so a resume is exact only if all three are restored."""
     return (
@@ -120,7 +146,7 @@ def train(backend, args, out: Path) -> None:
                 step + 1,
                 draft_config={"width": 32},
                 contract=CONTRACT,
-                train_state={"epoch": 0, "batch_in_epoch": step + 1},
+                train_state={"epoch": 0, "step_in_epoch": step + 1},
                 keep_last=2,
             )
 
@@ -149,6 +175,7 @@ def main() -> None:
     parser.add_argument("--save-at", type=int, default=-1)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--skip-target", action="store_true")
+    parser.add_argument("--compare-load", nargs="*", default=[], help="targets to load both ways")
     parser.add_argument("--crash-in-final-save", action="store_true")
     parser.add_argument("--precision", default="fp32")
     parser.add_argument("--local_rank", type=int, default=None)  # passed by the deepspeed launcher
@@ -160,6 +187,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     if not args.skip_target:
         check_target(backend, args, out)
+    compare_with_full_load(backend, args.compare_load, out)
     train(backend, args, out)
     shutdown_distributed()  # torn down before exit, as a run does: left to exit handlers a rank may abort
 
