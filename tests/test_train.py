@@ -110,11 +110,12 @@ def test_resume_is_exact_and_contract_changes_are_refused(common, tmp_path):
     )
     assert wa.keys() == wb.keys() and all(wa[k].equal(wb[k]) for k in wa)
 
-    refused = launch_train(
-        1, [*args, f"output_dir={resumed}", "objective.num_anchors=9", "train.max_steps=7"]
-    )
+    changed = ["objective.num_anchors=9", "data.chat_template_kwargs={enable_thinking: false}"]
+    refused = launch_train(1, [*args, f"output_dir={resumed}", *changed, "train.max_steps=7"])
     assert refused.returncode != 0
-    assert re.search(r"num_anchors.*8.*9", refused.stderr + refused.stdout), refused.stderr[-2000:]
+    output = refused.stderr + refused.stdout
+    assert re.search(r"num_anchors.*8.*9", output), refused.stderr[-2000:]
+    assert "chat_template_kwargs: saved {}, new {'enable_thinking': False}" in output, refused.stderr[-2000:]
 
 
 @pytest.mark.slow
