@@ -27,6 +27,7 @@ def common(tiny_default) -> list[str]:
         "train.log_every=1",
         "train.save_every=0",
         "train.lr=3e-3",
+        "train.weight_decay=0.01",  # two AdamW parameter groups under both backends, resumed exactly
         "train.warmup_steps=0",
         "train.max_steps=10",
     ]
