@@ -44,6 +44,9 @@ def one_process_run(common, tmp_path_factory) -> Path:
 def test_one_process_run_learns_logs_and_exports(one_process_run):
     losses = [m["loss"] for m in metrics(one_process_run)]
     assert len(losses) == 10 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
+    for m in metrics(one_process_run):  # block_size 8
+        for name in ("insample_accept_len", "insample_accept_len_selector"):
+            assert 1 <= m[name] <= m["insample_accept_len_max"] <= 8, (name, m)
     assert check_export(one_process_run / "export") == []
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -61,6 +64,10 @@ def test_one_process_run_learns_logs_and_exports(one_process_run):
         "selector_accuracy",
         "est_accept_len",
         "est_accept_len_selector",
+        "insample_accept_len",
+        "insample_accept_len_selector",
+        "insample_accept_len_max",
+        "selector_weight_fraction",
         "lr",
         "grad_norm",
         "tokens_per_s",
