@@ -346,9 +346,12 @@ def compute_objective(
     else:
         base_sum, topk_ids = unary_ce(h, head, y, w, multiplier, cap, cfg.logits_chunk_rows, top_k)
 
+    unary_correct = topk_ids[:, 0] == y
     metrics = _slot_metrics(slot, block_size, topk_ids, y, w)
     metrics["base_loss_sum"] = base_sum.detach()
     metrics["num_anchors"] = valid.sum().float()
+    metrics["accept_len_sum"] = acceptance_length_sum(rows, unary_correct, valid)
+    metrics["accept_len_max_sum"] = acceptance_length_sum(rows, torch.ones_like(unary_correct), valid)
     loss_sum = base_sum
     if selector is not None:
         scores, gold_index, in_topk = selector_scores(
@@ -358,9 +361,27 @@ def compute_objective(
         sel_sum = (sel_w * F.cross_entropy(scores, gold_index, reduction="none")).sum()
         loss_sum = loss_sum + cfg.selector_loss_alpha * sel_sum
         metrics["selector_loss_sum"] = sel_sum.detach()
-        correct = (in_topk & (scores.argmax(-1) == gold_index)).float()
+        metrics["selector_weight_sum"] = sel_w.sum().detach()
+        # The greedy walk's pick under the teacher-forced predecessor, over the original top-k.
+        correct = in_topk & (scores.argmax(-1) == gold_index)
         metrics["slot_selector_correct"] = _per_slot(slot, correct, block_size)
+        metrics["accept_len_selector_sum"] = acceptance_length_sum(rows, correct, valid)
     return ObjectiveOutput(loss_sum=loss_sum, weight_sum=weights.sum(), metrics=metrics)
+
+
+def acceptance_length_sum(rows: torch.Tensor, correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Sum over valid blocks of 1 + the leading run of correct slots (exact in-sample acceptance).
+
+    rows [b, N, B-1] bool: the supervised slots (the rows `correct` [R] belongs to, in order); valid
+    [b, N]. The run stops at the first wrong slot and at the first slot without supervision (past the
+    sequence end or outside the reply): serving cannot commit tokens past the end of the reply either.
+    Under teacher forcing a slot's predecessor is the data token; along a leading run of correct slots
+    that is also what the serving walk chose, so for the selector this run is the walk's own.
+    """
+    per_slot = torch.zeros_like(rows)
+    per_slot[rows] = correct
+    run = per_slot.long().cumprod(dim=-1).sum(dim=-1)  # [b, N]
+    return (run + 1)[valid].sum().float()
 
 
 def _per_slot(slot: torch.Tensor, values: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -387,15 +408,25 @@ def estimated_acceptance_length(per_slot_accuracy: list[float]) -> float:
 
 
 def summarize_metrics(sums: dict[str, torch.Tensor], alpha: float) -> dict[str, float]:
-    """Turn (globally reduced) sums and counts into the logged scalars."""
+    """Turn (globally reduced) sums and counts into the logged scalars.
+
+    `loss` is what is optimised: (base + alpha * selector) / the global weight sum. `selector_loss`
+    is the mean over the weight of the slots that carry a selector term (all supervised slots in
+    insert mode, those whose gold token is in the top-k in strict mode), so that strict and insert
+    curves read alike; `selector_weight_fraction` is that weight over the global weight sum, hence
+    loss = base_loss + alpha * selector_weight_fraction * selector_loss.
+    """
     w = max(float(sums["weight_sum"]), 1e-12)
     count = sums["slot_count"].double().clamp_min(1.0)
     acc = (sums["slot_correct"].double() / count).tolist()
+    blocks = max(float(sums["num_anchors"]), 1.0)
     out = {
         "base_loss": float(sums["base_loss_sum"]) / w,
         "accuracy": float(sums["slot_correct"].sum()) / max(float(sums["slot_count"].sum()), 1.0),
         "topk_coverage": float(sums["slot_topk_hit"].sum()) / max(float(sums["slot_count"].sum()), 1.0),
         "est_accept_len": estimated_acceptance_length(acc),
+        "insample_accept_len": float(sums["accept_len_sum"]) / blocks,
+        "insample_accept_len_max": float(sums["accept_len_max_sum"]) / blocks,
         "num_anchors": float(sums["num_anchors"]),
         "num_supervised_tokens": float(sums["slot_count"].sum()),
     }
@@ -403,12 +434,16 @@ def summarize_metrics(sums: dict[str, torch.Tensor], alpha: float) -> dict[str, 
     loss = out["base_loss"]
     if "selector_loss_sum" in sums:
         sel_acc = (sums["slot_selector_correct"].double() / count).tolist()
-        out["selector_loss"] = float(sums["selector_loss_sum"]) / w
+        sel_weight = float(sums["selector_weight_sum"])
+        # a mean over no slot (strict mode, no gold token in any top-k) is undefined: NaN, not 0
+        out["selector_loss"] = float(sums["selector_loss_sum"]) / sel_weight if sel_weight > 0 else math.nan
+        out["selector_weight_fraction"] = sel_weight / w
         out["selector_accuracy"] = float(sums["slot_selector_correct"].sum()) / max(
             float(sums["slot_count"].sum()), 1.0
         )
         out["est_accept_len_selector"] = estimated_acceptance_length(sel_acc)
-        loss += alpha * out["selector_loss"]
+        out["insample_accept_len_selector"] = float(sums["accept_len_selector_sum"]) / blocks
+        loss += alpha * float(sums["selector_loss_sum"]) / w
     out["loss"] = loss
     assert math.isfinite(loss), "non-finite loss"
     return out

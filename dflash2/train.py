@@ -70,6 +70,10 @@ def build_contract(cfg: RunConfig, draft_config: dict, data_parallel_size: int) 
         "selector_top_k": value("selector_top_k"),
         "output_multiplier": value("output_multiplier"),
         "final_logit_softcapping": value("final_logit_softcapping"),
+        # the attention pattern: which layers slide, how far, and whether a block sees its later slots
+        "sliding_window": draft_config.get("sliding_window"),
+        "layer_types": list(draft_config.get("layer_types") or []),
+        "is_causal": draft_config.get("is_causal"),
         "selector_loss_alpha": cfg.objective.selector_loss_alpha,
         "selector_mode": cfg.objective.selector_mode,
         "loss_gamma": cfg.objective.loss_gamma,
@@ -77,6 +81,8 @@ def build_contract(cfg: RunConfig, draft_config: dict, data_parallel_size: int) 
         "target": target_identity(cfg.model.target),
         "tokenizer": tokenizer_identity(cfg.model.target),
         "dataset": data_identity(cfg.data.train),
+        # the rendering of the same data (e.g. the thinking mode)
+        "chat_template_kwargs": dict(cfg.data.chat_template_kwargs),
         "global_batch_size": cfg.train.micro_batch_size * cfg.train.grad_accum_steps * data_parallel_size,
         "seed": cfg.seed,
     }

@@ -51,9 +51,10 @@ class TrainLogger:
             )
             if "selector_accuracy" in summary:
                 line += f" | sel acc {summary['selector_accuracy']:.3f}"
-                line += f" | est tau {summary['est_accept_len']:.2f}/{summary['est_accept_len_selector']:.2f}"
+                line += f" | tau {summary['insample_accept_len']:.2f}/{summary['insample_accept_len_selector']:.2f}"
+                line += f" (est {summary['est_accept_len']:.2f}/{summary['est_accept_len_selector']:.2f})"
             else:
-                line += f" | est tau {summary['est_accept_len']:.2f}"
+                line += f" | tau {summary['insample_accept_len']:.2f} (est {summary['est_accept_len']:.2f})"
             line += (
                 f" | lr {timing['lr']:.2e} | {scalars['tokens_per_s']:.0f} tok/s"
                 f" | capture {100 * scalars['capture_fraction']:.0f}%"

@@ -131,6 +131,18 @@ def test_a_manifest_of_another_setup_is_refused_with_the_fix(features_dir, overr
         OfflineFeatures(features_dir, expected_identity(overrides, override))
 
 
+@pytest.mark.parametrize("override", ["precision=bf16", "model.target_dtype=bf16"])
+def test_features_of_another_target_dtype_are_refused_with_the_fix(features_dir, overrides, override):
+    with pytest.raises(
+        ValueError,
+        match=r"captured with the target in float32, but this run's target dtype is bfloat16.*"
+        r"set model.target_dtype=fp32 to train on these features, or re-run data_prep/capture.py",
+    ):
+        OfflineFeatures(features_dir, expected_identity(overrides, override))
+    # the fix it names: a bf16 run whose target runs in fp32 reads these features
+    OfflineFeatures(features_dir, expected_identity(overrides, "precision=bf16", "model.target_dtype=fp32"))
+
+
 def test_changed_layer_ids_or_missing_manifest_are_refused(features_dir, overrides, tmp_path):
     with pytest.raises(ValueError, match=r"target_layer_ids is \[1, 3, 4\] in the features but \[1, 3\]"):
         OfflineFeatures(features_dir, {**expected_identity(overrides), "target_layer_ids": [1, 3]})

@@ -192,9 +192,14 @@ def reference_training(initial: dict[str, torch.Tensor], seeds_per_rank: list[li
     """Single-process AdamW on the global batch (all ranks' micro-batches), loss / global weight sum."""
     model = StandInDraft()
     model.load_state_dict(initial)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=EXPECTED_LRS[0], betas=(0.9, 0.95), weight_decay=0.01
-    )
+    # weight decay on the linear layers' weights only, never on biases
+    named = dict(model.named_parameters())
+    groups = [
+        {"params": [p for n, p in named.items() if n.endswith(".weight")], "weight_decay": 0.01},
+        {"params": [p for n, p in named.items() if n.endswith(".bias")], "weight_decay": 0.0},
+    ]
+    assert sum(len(g["params"]) for g in groups) == len(named)
+    optimizer = torch.optim.AdamW(groups, lr=EXPECTED_LRS[0], betas=(0.9, 0.95))
     grad_norms = []
     for step in range(STEPS):
         batches = [
@@ -260,6 +265,51 @@ def test_crash_before_rename_keeps_previous_checkpoint(runs, backend, nproc):
     assert find_latest(run["base"] / "run") == root / f"step_{SAVE_AT:08d}"
     saved = load_file(str(root / f"step_{SAVE_AT:08d}" / "draft.safetensors"))
     assert set(saved) == set(load_file(str(run["base"] / "first" / "final.safetensors")))
+
+
+def dflash2_parameter_names(num_layers: int) -> tuple[set[str], set[str]]:
+    """(decayed, not decayed) names of a DFlash 2 draft with attention biases, written out by hand."""
+    decayed, kept = {"fc.weight", "candidate_selector.hidden_projection.weight"}, set()
+    kept |= {"hidden_norm.weight", "norm.weight"}
+    kept |= {"candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook"}
+    for i in range(num_layers):
+        layer = f"layers.{i}."
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            decayed.add(f"{layer}self_attn.{proj}.weight")
+            kept.add(f"{layer}self_attn.{proj}.bias")
+        decayed |= {f"{layer}mlp.{proj}.weight" for proj in ("gate_proj", "up_proj", "down_proj")}
+        for conv in ("attention_conv", "mlp_conv"):
+            decayed.add(f"{layer}{conv}.kernel_projection.weight")
+            kept.add(f"{layer}{conv}.base_kernel")
+        kept |= {f"{layer}{norm}.weight" for norm in ("input_layernorm", "post_attention_layernorm")}
+        kept |= {f"{layer}self_attn.{norm}.weight" for norm in ("q_norm", "k_norm")}
+    return decayed, kept
+
+
+def test_weight_decay_skips_norms_biases_base_kernels_and_codebooks():
+    from dflash2.config import OptimConfig
+    from dflash2.distributed.base import build_optimizer
+    from dflash2.models import build_draft
+    from tests.draft_helpers import randomize_, tiny_draft_config
+
+    config = tiny_draft_config()
+    config["attention_bias"] = True
+    draft = randomize_(build_draft(config))
+    optimizer, _ = build_optimizer(draft, OptimConfig(lr=0.1, weight_decay=0.5, warmup_steps=0))
+    names = {id(p): n for n, p in draft.named_parameters()}
+    groups = {g["weight_decay"]: {names[id(p)] for p in g["params"]} for g in optimizer.param_groups}
+    decayed, kept = dflash2_parameter_names(config["num_hidden_layers"])
+    assert groups == {0.5: decayed, 0.0: kept}
+    assert decayed | kept == set(names.values())
+
+    # a step with zero gradients is pure decoupled decay: decayed weights shrink by lr * wd, others stay
+    before = {n: p.detach().clone() for n, p in draft.named_parameters()}
+    for p in draft.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    for name, param in draft.named_parameters():
+        factor = 1 - 0.1 * 0.5 if name in decayed else 1.0
+        torch.testing.assert_close(param.detach(), before[name] * factor, rtol=0, atol=1e-7, msg=name)
 
 
 def test_ds_config_batch_sizes_are_written_and_conflicts_named():

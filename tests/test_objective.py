@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from dflash2.objective import (
+    Blocks,
     ObjectiveConfig,
     anchor_candidates,
+    block_targets,
     compute_objective,
     estimated_acceptance_length,
     sample_anchors,
@@ -38,7 +40,7 @@ def slow_reference(draft, head, batch, cfg, anchors, valid):
     cap = draft.config.dflash_config.get("final_logit_softcapping")
     selector = getattr(draft, "candidate_selector", None)
     base = sel = torch.zeros((), dtype=torch.float64)
-    wsum = 0.0
+    wsum = sel_wsum = 0.0
     for b in range(ids.shape[0]):
         for n in range(anchors.shape[1]):
             if not valid[b, n]:
@@ -63,12 +65,40 @@ def slow_reference(draft, head, batch, cfg, anchors, valid):
                     if cfg.selector_mode == "strict":
                         continue
                     cand[-1] = gold  # the weakest candidate makes room
+                sel_wsum += w
                 pred = int(ids[b, a + k - 1])
                 g = selector.hidden_projection(out[k]).double()
                 A, Bc = selector.predecessor_codebook.double(), selector.successor_codebook.double()
                 scores = torch.stack([u[c] + (A[pred] * g * Bc[c]).sum() for c in cand])
                 sel = sel + w * (torch.logsumexp(scores, 0) - scores[cand.index(gold)])
-    return base + cfg.selector_loss_alpha * sel, wsum
+    return {
+        "loss": base + cfg.selector_loss_alpha * sel,
+        "base": base,
+        "selector": sel,
+        "weight": wsum,
+        "selector_weight": sel_wsum,
+    }
+
+
+def check_logged_losses(logged: dict, ref: dict, cfg: ObjectiveConfig) -> None:
+    """`loss` is the optimised ratio (everything over the global weight sum); `selector_loss` is the
+    mean over the slots that carry a selector term (in strict mode fewer than the supervised ones)."""
+    weight, alpha = ref["weight"], cfg.selector_loss_alpha
+    assert logged["loss"] == pytest.approx(float(ref["loss"].detach()) / weight, rel=1e-5)
+    assert logged["base_loss"] == pytest.approx(float(ref["base"].detach()) / weight, rel=1e-5)
+    if "selector_loss" not in logged:
+        assert ref["selector_weight"] == 0.0
+        return
+    if cfg.selector_mode == "strict":
+        assert 0 < ref["selector_weight"] < weight  # some gold tokens outside the top-k: a real test
+    else:
+        assert ref["selector_weight"] == pytest.approx(weight)
+    assert logged["selector_loss"] == pytest.approx(
+        float(ref["selector"].detach()) / ref["selector_weight"], rel=1e-5
+    )
+    assert logged["selector_weight_fraction"] == pytest.approx(ref["selector_weight"] / weight, rel=1e-6)
+    recombined = logged["base_loss"] + alpha * logged["selector_weight_fraction"] * logged["selector_loss"]
+    assert logged["loss"] == pytest.approx(recombined, rel=1e-6)
 
 
 def grads(draft):
@@ -102,11 +132,12 @@ def test_objective_matches_slow_per_block_reference(architecture, mode, gamma):
     got = grads(draft)
     draft.zero_grad()
     anchors, valid = sample_anchors(batch["loss_mask"], 5, torch.Generator().manual_seed(5))
-    ref_loss, ref_w = slow_reference(draft, head, batch, cfg, anchors, valid)
-    ref_loss.backward()
+    ref = slow_reference(draft, head, batch, cfg, anchors, valid)
+    ref["loss"].backward()
     want = grads(draft)
-    torch.testing.assert_close(out.loss_sum.double(), ref_loss, rtol=1e-5, atol=1e-5)
-    assert float(out.weight_sum) == pytest.approx(ref_w)
+    torch.testing.assert_close(out.loss_sum.double(), ref["loss"], rtol=1e-5, atol=1e-5)
+    assert float(out.weight_sum) == pytest.approx(ref["weight"])
+    check_logged_losses(summarize_metrics(out.metrics, cfg.selector_loss_alpha), ref, cfg)
     assert set(got) == set(want)
     for name in want:  # fp32 vs a float64 loop: tolerance relative to the gradient's scale
         scale = float(want[name].abs().max())
@@ -207,3 +238,107 @@ def test_metrics_summary_and_acceptance_estimate():
     assert 0 <= m["accuracy"] <= m["topk_coverage"] <= 1
     assert {"accuracy_pos_1", "accuracy_pos_3", "selector_accuracy", "est_accept_len_selector"} <= set(m)
     assert m["num_supervised_tokens"] == float(out.weight_sum)
+
+
+# ------------------------------------------------------------------ exact in-sample acceptance
+
+ACCEPT_SEQ = 40
+
+
+@torch.no_grad()
+def serving_proposal(draft, head, batch, row: int, anchor: int) -> tuple[list[int], list[int]]:
+    """One block alone, as the serving loop drafts it: (draft.propose's tokens — the unary argmax
+    for v1, the selector's greedy walk on its own previous picks for v2 —, the unary argmax)."""
+    block_size = draft.block_size
+    block = torch.tensor([[int(batch["input_ids"][row, anchor])] + [draft.mask_token_id] * (block_size - 1)])
+    context = batch["features"][row : row + 1, :anchor]
+    slot_hidden = draft(head.embed(block)[:, None], context, torch.tensor([[anchor]]))[0, 0, 1:][None]
+    tokens = draft.propose(slot_hidden, block[:, 0], head)[0][0].tolist()
+    unary = draft.compute_logits(slot_hidden, head).argmax(-1)[0].tolist()
+    return tokens, unary
+
+
+def slow_acceptance(draft, head, batch, anchors, valid) -> dict[str, list[int]]:
+    """Per valid block: 1 + the number of leading proposed tokens equal to the data, counted only
+    over the block's leading supervised slots (in bounds and in the reply)."""
+    ids, mask = batch["input_ids"], batch["loss_mask"]
+    out = {"proposal": [], "unary": [], "max": []}
+    for row in range(ids.shape[0]):
+        for n in range(anchors.shape[1]):
+            if not valid[row, n]:
+                continue
+            a = int(anchors[row, n])
+            supervised = 0
+            while supervised < draft.block_size - 1:
+                position = a + supervised + 1
+                if position >= ids.shape[1] or not mask[row, position]:
+                    break
+                supervised += 1
+            for name, tokens in zip(("proposal", "unary"), serving_proposal(draft, head, batch, row, a)):
+                run = 0
+                while run < supervised and tokens[run] == int(ids[row, a + run + 1]):
+                    run += 1
+                out[name].append(1 + run)
+            out["max"].append(1 + supervised)
+    return out
+
+
+def acceptance_batch(draft, head):
+    """Blocks that do not overlap, whose data continues the serving proposal for 0..B-1 tokens and
+    then differs; some blocks cut short by the reply's end (a hole in the loss mask) or the sequence end."""
+    gen = torch.Generator().manual_seed(11)
+    batch = {
+        "input_ids": torch.randint(0, 200, (2, ACCEPT_SEQ), generator=gen),
+        "loss_mask": torch.ones(2, ACCEPT_SEQ, dtype=torch.long),
+        "features": random_features(ACCEPT_SEQ, batch=2),
+    }
+    batch["loss_mask"][0, [8, 11, 30]] = 0
+    block_size = draft.block_size
+    anchors = torch.arange(1, ACCEPT_SEQ, block_size).repeat(2, 1)  # the last block runs past the end
+    valid = torch.ones_like(anchors, dtype=torch.bool)
+    valid[1, -3:] = False
+    anchors[1, -3:] = 0
+    for row, n in valid.nonzero().tolist():
+        a = int(anchors[row, n])
+        tokens, _ = serving_proposal(draft, head, batch, row, a)
+        matched = (3 * row + n) % block_size  # 0 .. B-1 leading tokens as proposed
+        for k in range(1, block_size):
+            if a + k >= ACCEPT_SEQ:
+                break
+            proposed = tokens[k - 1]
+            batch["input_ids"][row, a + k] = proposed if k <= matched else (proposed + 1 + k) % 200
+    return batch, anchors, valid
+
+
+@pytest.mark.parametrize(
+    "architecture,mode",
+    [("DFlashDraftModel", "insert"), ("DFlash2DraftModel", "insert"), ("DFlash2DraftModel", "strict")],
+)
+def test_insample_acceptance_equals_the_serving_proposal_per_block(architecture, mode):
+    draft = random_draft(architecture, seed=6)
+    if architecture == "DFlash2DraftModel":
+        with torch.no_grad():  # a selector strong enough that its walk departs from the unary argmax
+            draft.candidate_selector.successor_codebook.mul_(10.0)
+    head = random_head()
+    batch, anchors, valid = acceptance_batch(draft, head)
+    cfg = ObjectiveConfig.for_draft(draft, num_anchors=anchors.shape[1], loss_gamma=2.0, selector_mode=mode)
+    targets = block_targets(
+        batch["input_ids"], batch["loss_mask"], anchors, valid, cfg.block_size, cfg.loss_gamma
+    )
+    with torch.no_grad():
+        out = compute_objective(draft, head, batch, cfg, blocks=Blocks(anchors, valid, *targets))
+    logged = summarize_metrics(out.metrics, alpha=1.0)
+
+    ref = slow_acceptance(draft, head, batch, anchors, valid)
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    assert set(ref["proposal"]) == {1, 2, 3, 4}  # every run length occurs: the test can tell them apart
+    assert min(ref["max"]) < draft.block_size  # some blocks are cut short by the reply or the sequence
+    assert logged["insample_accept_len_max"] == pytest.approx(mean(ref["max"]), rel=1e-12)
+    if architecture == "DFlashDraftModel":
+        assert ref["proposal"] == ref["unary"]
+        assert logged["insample_accept_len"] == pytest.approx(mean(ref["proposal"]), rel=1e-12)
+        assert "insample_accept_len_selector" not in logged
+    else:
+        assert ref["proposal"] != ref["unary"]  # the walk is not the argmax here
+        assert logged["insample_accept_len_selector"] == pytest.approx(mean(ref["proposal"]), rel=1e-12)
+        assert logged["insample_accept_len"] == pytest.approx(mean(ref["unary"]), rel=1e-12)

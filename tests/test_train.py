@@ -27,6 +27,7 @@ def common(tiny_default) -> list[str]:
         "train.log_every=1",
         "train.save_every=0",
         "train.lr=3e-3",
+        "train.weight_decay=0.01",  # two AdamW parameter groups under both backends, resumed exactly
         "train.warmup_steps=0",
         "train.max_steps=10",
     ]
@@ -43,6 +44,9 @@ def one_process_run(common, tmp_path_factory) -> Path:
 def test_one_process_run_learns_logs_and_exports(one_process_run):
     losses = [m["loss"] for m in metrics(one_process_run)]
     assert len(losses) == 10 and sum(losses[-3:]) / 3 < sum(losses[:3]) / 3
+    for m in metrics(one_process_run):  # block_size 8
+        for name in ("insample_accept_len", "insample_accept_len_selector"):
+            assert 1 <= m[name] <= m["insample_accept_len_max"] <= 8, (name, m)
     assert check_export(one_process_run / "export") == []
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -60,6 +64,10 @@ def test_one_process_run_learns_logs_and_exports(one_process_run):
         "selector_accuracy",
         "est_accept_len",
         "est_accept_len_selector",
+        "insample_accept_len",
+        "insample_accept_len_selector",
+        "insample_accept_len_max",
+        "selector_weight_fraction",
         "lr",
         "grad_norm",
         "tokens_per_s",
@@ -110,11 +118,12 @@ def test_resume_is_exact_and_contract_changes_are_refused(common, tmp_path):
     )
     assert wa.keys() == wb.keys() and all(wa[k].equal(wb[k]) for k in wa)
 
-    refused = launch_train(
-        1, [*args, f"output_dir={resumed}", "objective.num_anchors=9", "train.max_steps=7"]
-    )
+    changed = ["objective.num_anchors=9", "data.chat_template_kwargs={enable_thinking: false}"]
+    refused = launch_train(1, [*args, f"output_dir={resumed}", *changed, "train.max_steps=7"])
     assert refused.returncode != 0
-    assert re.search(r"num_anchors.*8.*9", refused.stderr + refused.stdout), refused.stderr[-2000:]
+    output = refused.stderr + refused.stdout
+    assert re.search(r"num_anchors.*8.*9", output), refused.stderr[-2000:]
+    assert "chat_template_kwargs: saved {}, new {'enable_thinking': False}" in output, refused.stderr[-2000:]
 
 
 @pytest.mark.slow

@@ -4,7 +4,7 @@ Layout of a features directory:
   shard-RRRRR-NNNNN.safetensors   features of the samples rank R captured, one tensor [S_i, K*H] per
                                   sample, named by the sample's index in the dataset
   manifest.json                   identities of the target config, tokenizer and data, the layer ids,
-                                  dtype, max_length, and the shard and length of every sample
+                                  the target dtype, max_length, and the shard and length of every sample
 The manifest is written last, by rank 0, after every rank has closed its shards: a crash mid-capture
 leaves no manifest, and a directory without one is refused.
 """
@@ -30,6 +30,7 @@ from dflash2.models.config import check_draft_config, draft_value, load_config_d
 MANIFEST = "manifest.json"
 FORMAT = "dflash2-features/1"
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+PRECISION_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}  # manifest dtype -> run config precision name
 VALIDATED_FIELDS = ("target", "tokenizer", "data", "chat_template_kwargs", "max_length", "target_layer_ids")
 
 
@@ -42,6 +43,7 @@ def feature_identity(cfg: RunConfig, layer_ids: list[int]) -> dict:
         "chat_template_kwargs": dict(cfg.data.chat_template_kwargs),
         "max_length": cfg.data.max_length,
         "target_layer_ids": [int(i) for i in layer_ids],
+        "dtype": DTYPE_NAMES[cfg.target_torch_dtype],  # the target ran (and the features are stored) in it
     }
 
 
@@ -170,7 +172,7 @@ def capture_to_dir(
     if backend.is_main:
         merged = {index: name for part in gathered for index, name in part.items()}
         lengths = [len(ids) for ids in dataset["input_ids"]]
-        meta = {"dtype": DTYPE_NAMES[cfg.target_torch_dtype], "feature_dim": hidden_size * len(layer_ids)}
+        meta = {"feature_dim": hidden_size * len(layer_ids)}
         write_manifest(out_dir, feature_identity(cfg, layer_ids), merged, lengths, meta)
         print(f"[dflash2] captured {len(lengths)} samples into {out_dir}", flush=True)
     backend.barrier()
@@ -213,9 +215,28 @@ class OfflineFeatures:
                 raise ValueError(
                     _mismatch_message(self.features_dir, field, self.manifest.get(field), expected[field])
                 )
+        self._check_dtype(expected["dtype"])
         self.num_samples = int(self.manifest["num_samples"])
         self.feature_dim = int(self.manifest["feature_dim"])
         self._files: dict[int, object] = {}  # shard index -> open safetensors handle (memory-mapped)
+
+    def _check_dtype(self, expected: str) -> None:
+        """Features of a target run in another dtype are other numbers than online capture would give
+        this run (casting them would hide it): refuse, naming both ways to agree."""
+        saved = self.manifest.get("dtype")
+        if saved == expected:
+            return
+        agree = (
+            f"set model.target_dtype={PRECISION_OF_DTYPE[saved]} to train on these features, or "
+            if saved in PRECISION_OF_DTYPE
+            else ""
+        )
+        raise ValueError(
+            f"{self.features_dir / MANIFEST}: the features were captured with the target in {saved}, but this "
+            f"run's target dtype is {expected} (model.target_dtype, default: precision); {agree}re-run "
+            f"data_prep/capture.py --config <this run's config> --out {self.features_dir} to capture them in "
+            f"{expected}"
+        )
 
     def _shard(self, shard: int):
         if shard not in self._files:

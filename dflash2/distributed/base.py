@@ -39,12 +39,37 @@ def lr_multiplier(optim: OptimConfig) -> Callable[[int], float]:
     return factor
 
 
+def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW parameter groups: `weight_decay` on the weight matrices of linear layers, none elsewhere.
+
+    Decayed: attention and MLP projections, `fc`, the conv `kernel_projection` (zero at init: decay
+    pulls the dynamic kernel back toward the static one) and the selector's `hidden_projection`.
+    Not decayed: norm weights and biases (scales and offsets, not capacity), the conv `base_kernel`
+    (identity at init: decay would pull it toward zero, i.e. toward silencing the sublayer, not toward
+    the identity) and the selector codebooks (embedding-like tables: a row of a rare token gets a
+    gradient rarely but would shrink every step). Decided by module type, so the groups are the same
+    before and after sharding (FSDP2 keeps the module tree; ZeRO-3 partitions after the optimizer is
+    built). Both groups exist whatever weight_decay is (when non-empty): the optimizer state's layout
+    does not depend on its value.
+    """
+    decay, no_decay, seen = [], [], set()
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            if not param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            (decay if isinstance(module, nn.Linear) and name == "weight" else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
 def build_optimizer(
-    params, optim: OptimConfig
+    model: nn.Module, optim: OptimConfig
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """torch AdamW and its LambdaLR schedule (the same objects for both backends)."""
+    """torch AdamW over `model`'s trainable parameters in weight_decay_groups, and its LambdaLR
+    schedule (the same objects for both backends)."""
     optimizer = torch.optim.AdamW(
-        params, lr=optim.lr, betas=ADAM_BETAS, eps=ADAM_EPS, weight_decay=optim.weight_decay
+        weight_decay_groups(model, optim.weight_decay), lr=optim.lr, betas=ADAM_BETAS, eps=ADAM_EPS
     )
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(optim))
 

@@ -100,7 +100,7 @@ class DeepSpeedBackend(Backend):
         set_ds_value(config, "bf16.enabled", precision == "bf16", source=f"precision={precision!r}")
         config["zero_allow_untested_optimizer"] = True  # torch AdamW as the client optimizer
         draft.float()  # fp32 master weights; DeepSpeed keeps a bf16 working copy when bf16 is enabled
-        optimizer, scheduler = build_optimizer([p for p in draft.parameters() if p.requires_grad], optim)
+        optimizer, scheduler = build_optimizer(draft, optim)
         self.engine, *_ = deepspeed.initialize(
             model=draft, optimizer=optimizer, lr_scheduler=scheduler, config=config, mpu=self.mpu
         )

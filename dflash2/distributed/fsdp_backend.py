@@ -91,9 +91,7 @@ class FSDPBackend(Backend):
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
         self.draft = draft
-        self.optimizer, self.scheduler = build_optimizer(
-            [p for p in draft.parameters() if p.requires_grad], optim
-        )
+        self.optimizer, self.scheduler = build_optimizer(draft, optim)
         self.max_grad_norm = optim.max_grad_norm
         self.compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
         return draft
