@@ -113,8 +113,8 @@ class StepTimer:
         if self._step is None:
             return
         assert not self._open, f"regions still open at the end of a step: {[o.path for o in self._open]}"
-        wall, cpu = self._now()
-        if self.keep_history:
+        if self.keep_history:  # a run keeps none: no clock read, no synchronisation
+            wall, cpu = self._now()
             iteration = Seconds(wall - self._step.wall, cpu - self._step.cpu)
             self.history.append({**self._step.regions, ITERATION: iteration})
         self._step = None

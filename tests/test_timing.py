@@ -169,3 +169,23 @@ def test_misnested_close_is_an_error():
         timer.close("backward")
     timer.close("objective")  # the region stays open until closed by its own name
     assert timer.seconds("objective") >= 0.0
+
+
+def test_a_run_synchronises_only_at_its_step_and_capture_boundaries():
+    """Without breakdown or history (a run): per step one synchronisation at its start, two per
+    capture region and one when the step time is read, whatever else the loop marks."""
+    device = FakeDevice()
+    timer = timer_on(device, asynchronous=True)
+    for _ in range(3):
+        device.syncs = 0
+        timer.start_step()
+        for _ in range(2):  # two micro-batches
+            with timer.region("capture"):
+                device.launch(1.0)
+            for name in ("objective", "backward"):
+                with timer.region(name), region("head_matmul"):
+                    device.launch(1.0)
+        with timer.region("optimizer"):
+            device.launch(1.0)
+        assert timer.step_seconds() == 7.0
+        assert device.syncs == 1 + 2 * 2 + 1
