@@ -76,8 +76,22 @@ def test_breakdown_lines_add_up_to_the_full_step(bench):
     for name in ("capture", "draft_forward", "objective", "head_matmul", "backward", "optimizer"):
         assert summary["breakdown_mean"][name]["wall"] > 0, name
     assert summary["breakdown_mean"]["grad_reduce"]["wall"] == 0  # one process: nothing to reduce
-    for key in ("full_over_parts", "objective_over_floor", "head_matmul_over_floor"):
+    for key in ("objective_over_floor", "head_matmul_over_floor"):
         assert key in summary
+
+
+def test_full_over_parts_pairs_the_passes_step_by_step(bench):
+    report, _, _ = bench
+    rank = report["ranks"][0]
+    full, capture, draft = (rank["passes"][name][WARMUP:] for name in ("full", "capture", "draft"))
+    for clock in ("wall", "cpu"):
+        ratios = sorted(
+            f["iteration"][clock] / (c["capture"][clock] + d["step"][clock])
+            for f, c, d in zip(full, capture, draft)
+        )
+        got = rank["summary"]["full_over_parts"][clock]
+        assert (got["min"], got["max"]) == (ratios[0], ratios[-1])
+        assert got["median"] == pytest.approx(sum(ratios[:2]) / 2)  # STEPS = 2
 
 
 def test_bad_arguments_are_one_clear_message(capsys):
