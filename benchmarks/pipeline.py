@@ -167,6 +167,7 @@ def run_steps(cfg: RunConfig, setup: Setup, num_steps: int) -> list[tuple[list[l
     stream = micro_batches(
         len(setup.dataset),
         cfg.train.micro_batch_size,
+        cfg.train.grad_accum_steps,
         cfg.seed,
         setup.backend.rank,
         setup.backend.draft_world_size,
@@ -367,6 +368,7 @@ def history_json(history: list) -> list:
 
 
 def measure_colocated(cfg: RunConfig, args: argparse.Namespace, work_dir: Path) -> dict:
+    cfg = cfg.with_batch_layout(cfg.data_parallel_size(dist.get_world_size()))  # as run_colocated
     backend = run_backend(cfg)
     setup = build_setup(cfg, backend, features=offline_features(cfg))
     num_steps = args.warmup + args.steps
