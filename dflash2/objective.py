@@ -193,8 +193,8 @@ def _chunk_ce(hidden, weight, bias, labels, row_weights, multiplier, cap, top_k,
     # The gold logit and the top-k read the logits, so they come before the in-place ops below turn
     # the buffer into exp(u - max) and then the gradient.
     gold = u.gather(1, labels[:, None])[:, 0]
-    ids = torch.topk(u, top_k, dim=-1).indices
-    row_max = u.amax(dim=-1)
+    top = torch.topk(u, top_k, dim=-1)
+    ids, row_max = top.indices, top.values[:, 0]  # the top-1 value is the row's max: no extra pass
     exp_u = u.sub_(row_max[:, None]).exp_()  # exp(u - max) in the logits buffer
     total = exp_u.sum(dim=-1)
     lse = row_max + total.log()  # logsumexp, as torch.logsumexp computes it
