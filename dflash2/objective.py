@@ -20,6 +20,7 @@ from dflash2.config import ObjectiveSection
 from dflash2.models.config import logit_transform
 from dflash2.models.draft import transform_logits
 from dflash2.models.target_head import TargetHead
+from dflash2.timing import region
 
 
 class ObjectiveConfig(ObjectiveSection):
@@ -170,12 +171,16 @@ class _ChunkedUnaryCE(torch.autograd.Function):
 def _chunk_ce(hidden, weight, bias, labels, row_weights, multiplier, cap, top_k, grad_out):
     """One chunk of _ChunkedUnaryCE, in its own frame so its buffers die before the next chunk.
 
-    Works in place on one [rows, V] fp32 buffer (two with a softcap): the peak is about one logits
-    buffer plus logsumexp's temporary. Writes d loss / d hidden into `grad_out` when given.
+    Works in place on one [rows, V] fp32 buffer (two with a softcap), which the logits, then
+    exp(u - max), then the gradient occupy in turn: no other [rows, V] buffer is allocated, and every
+    pass over it other than the two head matmuls is a single elementwise or reduction pass. Writes
+    d loss / d hidden into `grad_out` when given.
     The transform is models.draft.transform_logits (multiply, then softcap), done in place here.
     """
     # z = h W^T + b in the head's dtype, then fp32: logsumexp over V and the softmax below need it
-    u = F.linear(hidden, weight, bias).float()
+    with region("head_matmul"):  # the objective's floor: timed when the loop breaks a step down
+        u = F.linear(hidden, weight, bias)
+    u = u.float()
     if multiplier != 1.0:
         u.mul_(multiplier)
     du_dz = None
@@ -185,18 +190,20 @@ def _chunk_ce(hidden, weight, bias, labels, row_weights, multiplier, cap, top_k,
             # d u / d z for u = cap * tanh(m z / cap): read from t now, before u is scaled back to logits
             du_dz = (u * u).neg_().add_(1).mul_(multiplier)  # m (1 - t^2)
         u.mul_(cap)
-    lse = torch.logsumexp(u, dim=-1)
+    # The gold logit and the top-k read the logits, so they come before the in-place ops below turn
+    # the buffer into exp(u - max) and then the gradient.
     gold = u.gather(1, labels[:, None])[:, 0]
+    top = torch.topk(u, top_k, dim=-1)
+    ids, row_max = top.indices, top.values[:, 0]  # the top-1 value is the row's max: no extra pass
+    exp_u = u.sub_(row_max[:, None]).exp_()  # exp(u - max) in the logits buffer
+    total = exp_u.sum(dim=-1)
+    lse = row_max + total.log()  # logsumexp, as torch.logsumexp computes it
     loss = (row_weights * (lse - gold)).sum()
-    # The top-k reads the logits, so it must come before the in-place ops below turn the buffer into
-    # the gradient.
-    ids = torch.topk(u, top_k, dim=-1).indices
     if grad_out is not None:
-        # CE = logsumexp(u) - u[y], so d CE / d u = softmax(u) - one_hot(y): the softmax overwrites the
-        # logits, then 1 is subtracted at the gold column. Each row is scaled by its weight.
-        d = u.sub_(lse[:, None]).exp_()  # softmax, in the logits buffer
-        d.scatter_add_(1, labels[:, None], -torch.ones_like(gold[:, None]))
-        d.mul_(row_weights[:, None])
+        # CE = logsumexp(u) - u[y], so d CE / d u = softmax(u) - one_hot(y); scaled by the row's
+        # weight: w exp(u - max) / total, then w subtracted at the gold column.
+        d = exp_u.mul_((row_weights / total)[:, None])
+        d.scatter_add_(1, labels[:, None], -row_weights[:, None])
         # Chain rule to z. With a cap, du_dz = m (1 - t^2) already holds the multiplier; without one,
         # u = m z and d u / d z is the multiplier alone (1: nothing to do).
         if du_dz is not None:
@@ -205,7 +212,9 @@ def _chunk_ce(hidden, weight, bias, labels, row_weights, multiplier, cap, top_k,
             d.mul_(multiplier)
         # d loss / d h = (d loss / d z) @ W. d is cast to the head's dtype so that the matmul runs in it
         # (as the forward did) instead of promoting the whole [V, H] head to an fp32 copy.
-        grad_out.copy_(d.to(weight.dtype) @ weight)
+        d = d.to(weight.dtype)
+        with region("head_matmul"):
+            grad_out.copy_(d @ weight)
     return loss, ids
 
 

@@ -7,7 +7,6 @@ Every rank runs the same calls in the same order; rank 0 only guards file writes
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +26,7 @@ from dflash2.identity import data_identity, target_identity, tokenizer_identity
 from dflash2.models import TargetHead, build_draft
 from dflash2.models.config import draft_value, load_config_dict
 from dflash2.objective import ObjectiveConfig, compute_objective, plan_blocks, summarize_metrics
+from dflash2.timing import StepTimer
 from dflash2.train_log import TrainLogger
 
 
@@ -141,41 +141,47 @@ def build_setup(cfg: RunConfig, backend: Backend, features: FeatureSource | None
 # ------------------------------------------------------------------ step
 
 
+def load_batch(setup: Setup, indices: list[int]) -> dict[str, torch.Tensor]:
+    """Samples `indices` collated and on the device: input_ids, loss_mask, attention_mask [b, S]."""
+    samples = [setup.dataset[i] for i in indices]
+    return {k: v.to(setup.backend.device) for k, v in collate(samples, setup.pad_token_id).items()}
+
+
 def capture_features(setup: Setup, batch: dict, indices: list[int]) -> torch.Tensor:
     if setup.features is not None:
         return setup.features.batch(indices, batch["input_ids"].shape[1])
     return target_features(setup.backend, setup.target, batch, setup.layer_ids)
 
 
-def train_step(setup: Setup, micro: list[list[int]], epochs: list[int], seed: int) -> tuple[dict, dict]:
+def train_step(
+    setup: Setup, micro: list[list[int]], epochs: list[int], seed: int, timer: StepTimer
+) -> tuple[dict, dict]:
     """One optimizer step over `grad_accum_steps` micro-batches. Returns (metric sums reduced over
-    ranks, timings). The loss is normalised by the global weight sum of the whole step."""
-    backend, device = setup.backend, setup.backend.device
-    batches = [
-        {k: v.to(device) for k, v in collate([setup.dataset[i] for i in idx], setup.pad_token_id).items()}
-        for idx in micro
-    ]
+    ranks, timings). The loss is normalised by the global weight sum of the whole step. `timer` has
+    started the step; its regions are free unless timed (dflash2.timing)."""
+    backend = setup.backend
+    batches = [load_batch(setup, idx) for idx in micro]
     plans = [
         plan_blocks(b["input_ids"], b["loss_mask"], setup.objective, anchor_generators(seed, epoch, idx))
         for b, epoch, idx in zip(batches, epochs, micro)
     ]
-    global_weight = backend.all_reduce_sum(sum(p.weights.sum() for p in plans).to(device))
+    global_weight = backend.all_reduce_sum(sum(p.weights.sum() for p in plans).to(backend.device))
     sums: dict[str, torch.Tensor] = {}
-    capture_s = 0.0
     for batch, indices, plan in zip(batches, micro, plans):
-        t0 = time.perf_counter()
-        with torch.no_grad():
+        with torch.no_grad(), timer.region("capture"):
             batch["features"] = capture_features(setup, batch, indices).to(backend.compute_dtype)
-        capture_s += time.perf_counter() - t0
-        out = compute_objective(setup.draft, setup.head, batch, setup.objective, blocks=plan)
-        backend.backward(out.loss_sum / global_weight)
+        with timer.region("objective"):
+            out = compute_objective(setup.draft, setup.head, batch, setup.objective, blocks=plan)
+        with timer.region("backward"):
+            backend.backward(out.loss_sum / global_weight)
         for k, v in out.metrics.items():
             sums[k] = sums.get(k, 0) + v.detach().float()
         sums["input_tokens"] = sums.get("input_tokens", 0) + batch["attention_mask"].sum().float()
-    stats = backend.step()
+    with timer.region("optimizer"):
+        stats = backend.step()
     reduced = {k: backend.all_reduce_sum(v) for k, v in sums.items()}
     # capture_s: time spent getting features (online capture, disk reads, or waiting for capture ranks)
-    return reduced, {"capture_s": capture_s, **stats}
+    return reduced, {"capture_s": timer.seconds("capture"), **stats}
 
 
 # ------------------------------------------------------------------ loop
@@ -193,8 +199,11 @@ def save(setup: Setup, cfg: RunConfig, run_dir: Path, state: TrainState) -> Path
     )
 
 
-def fit(cfg: RunConfig, setup: Setup) -> dict[str, float]:
+def fit(cfg: RunConfig, setup: Setup, timer: StepTimer | None = None) -> dict[str, float]:
+    """Train to cfg.train.last_step. `timer`: how steps are timed (default: each step and its capture,
+    dflash2.timing); benchmarks/pipeline.py passes one that times every region."""
     backend, run_dir = setup.backend, Path(cfg.output_dir)
+    timer = timer or StepTimer(backend.device)
     state = TrainState()
     ckpt = resume_point(cfg.train.resume, run_dir)
     if ckpt is not None:
@@ -222,19 +231,20 @@ def fit(cfg: RunConfig, setup: Setup) -> dict[str, float]:
     summary: dict[str, float] = {}
     last_step = cfg.train.last_step
     while state.step < last_step:
-        t0 = time.perf_counter()
+        timer.start_step()
         micro, epochs = [], []
         for _ in range(cfg.train.grad_accum_steps):
             epoch, state.step_in_epoch, indices = next(stream)
             micro.append(indices)
             epochs.append(epoch)
         state.epoch = epoch
-        sums, timing = train_step(setup, micro, epochs, cfg.seed)
+        sums, timing = train_step(setup, micro, epochs, cfg.seed, timer)
         state.step += 1
         summary = summarize_metrics(sums, cfg.objective.selector_loss_alpha)
-        logger.log(state.step, summary, sums, timing, time.perf_counter() - t0)
+        logger.log(state.step, summary, sums, timing, timer.step_seconds())
         if cfg.train.save_every and state.step % cfg.train.save_every == 0 and state.step < last_step:
             save(setup, cfg, run_dir, state)
+    timer.finish()
     if ckpt is None or state.step > start_step:
         final = save(setup, cfg, run_dir, state)
     else:
