@@ -350,4 +350,22 @@ def test_cli_writes_json_tensorboard_and_plot(tiny_default, tmp_path, capsys):
     events.Reload()
     logged = events.Scalars("eval/mean_acceptance_length")
     assert logged[0].value == pytest.approx(summary["mean_acceptance_length"])
+    # an export without a record of its training run: step 0, and both gaps are said
+    assert logged[0].step == 0 and summary["chat_template_kwargs"] is None
+    assert [note.split(":")[0] for note in summary["notes"]] == [
+        f"{export} has no training_run.json step",
+        f"{export} records no chat_template_kwargs of its training run",
+    ]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_evaluation_defaults_to_the_training_run_of_the_export(tmp_path):
+    (tmp_path / "training_run.json").write_text(
+        json.dumps({"step": 300, "chat_template_kwargs": {"enable_thinking": False}})
+    )
+    assert ev.run_settings(tmp_path, None) == ({"enable_thinking": False}, 300, [])
+    assert ev.run_settings(tmp_path, {"enable_thinking": False}) == ({"enable_thinking": False}, 300, [])
+    # an explicit choice wins, and the difference is said
+    kwargs, step, notes = ev.run_settings(tmp_path, {"enable_thinking": True})
+    assert kwargs == {"enable_thinking": True} and step == 300
+    assert len(notes) == 1 and "differ from the training run's {'enable_thinking': False}" in notes[0]
