@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from dflash2.capture import target_features  # noqa: E402
 from dflash2.capture.offline import run_capture  # noqa: E402
 from dflash2.config import load_run_config  # noqa: E402
-from dflash2.dist import build_backend, init_distributed, shutdown_distributed  # noqa: E402
+from dflash2.distributed import build_backend, init_distributed, shutdown_distributed  # noqa: E402
 from dflash2.train import build_setup, fit  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
