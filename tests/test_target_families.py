@@ -31,6 +31,7 @@ from dflash2.capture import capture_layer_outputs
 from dflash2.capture.head import load_target_head
 from dflash2.models import TargetHead, build_draft
 from dflash2.target_state import TargetState
+from tests.dist_scripts.families import family_config, padded_batch
 from tests.draft_helpers import randomize_
 from tests.run_helpers import REPO, TIMEOUT_S, metrics, run, tiny_subset, torchrun
 from tests.target_families import (
@@ -77,12 +78,6 @@ def hf_layer_outputs(model, input_ids, attention_mask, layer_ids) -> torch.Tenso
     finally:
         decoder_config.tie_last_hidden_states = None
     return torch.cat([hidden[i + 1] for i in layer_ids], dim=-1)
-
-
-def padded_batch():
-    from tests.dist_scripts.families import padded_batch
-
-    return padded_batch()
 
 
 # ------------------------------------------------------------------ capture
@@ -381,7 +376,6 @@ def test_two_process_run(family_runs, family_dirs, backend, family):
     from dflash2.data.loader import collate
     from dflash2.data.prepare import prepare_dataset
     from dflash2.export import check_export, read_training_run
-    from tests.dist_scripts.families import family_config
 
     out = family_result(family_runs, backend, family)
     model = load_target(family_dirs[family])
@@ -415,7 +409,7 @@ def test_two_process_run(family_runs, family_dirs, backend, family):
     assert len(losses) == 2 and all(math.isfinite(loss) for loss in losses)
     export = out / "run" / "export"
     assert check_export(export, tokenizer=tokenizer, target_config=family_dirs[family]) == []
-    assert read_training_run(export) == {"step": 2, "chat_template_kwargs": {}}
+    assert read_training_run(export) == {"step": 2, "chat_template_kwargs": {"enable_thinking": False}}
     loaded, info = reference_package.DFlash2DraftModel.from_pretrained(export, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     assert loaded.target_layer_ids == list(LAYER_IDS)

@@ -46,6 +46,7 @@ def family_config(args, family_dir: Path, out: Path):
         f"model.draft_config={args.draft_config}",
         f"data.train={args.data}",
         "data.max_length=64",
+        "data.chat_template_kwargs={enable_thinking: false}",  # recorded in the export
         f"backend={args.backend}",
         "objective.num_anchors=8",
         "train.micro_batch_size=2",
