@@ -38,6 +38,7 @@ from torch import nn
 
 from dflash2.data.jsonl import SampleError, iter_lines, parse_sample, prompt_turns
 from dflash2.data.render import encode_prompt, stop_token_ids
+from dflash2.export import TRAINING_RUN_NAME, read_training_run
 from dflash2.models import TargetHead, load_draft
 from dflash2.models.context_cache import DraftContextCache
 from dflash2.models.draft import DFlashDraftModel
@@ -397,8 +398,6 @@ def run_settings(
 ) -> tuple[dict | None, int, list[str]]:
     """(chat template arguments, TensorBoard step, notes) for evaluating an export: by default those of
     the training run that wrote it (its training_run.json), so the prompts are rendered as in training."""
-    from dflash2.export import TRAINING_RUN_NAME, read_training_run
-
     recorded = read_training_run(draft_dir)
     notes = []
     if "step" not in recorded:

@@ -2,7 +2,8 @@
 
 For each family directory under --families-dir, in one process group:
   online   the features of a right-padded batch of 2, captured through the backend's sharded target
-  offline  the offline capture (run_capture, what data_prep/capture.py runs) of the data
+  offline  the offline capture of the data (capture_to_dir, what data_prep/capture.py runs), with the
+           same sharded target
   train    a few optimizer steps of the real training code (build_setup + fit), which exports
 Writes into --out/<family>/: online.safetensors (rank 0), features/ (the offline capture), run/
 (metrics.jsonl, export/). A family that fails leaves error_rank<r>.txt and ends the launch.
@@ -22,7 +23,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from dflash2.capture import target_features  # noqa: E402
-from dflash2.capture.offline import run_capture  # noqa: E402
+from dflash2.capture.offline import capture_to_dir  # noqa: E402
 from dflash2.config import load_run_config  # noqa: E402
 from dflash2.distributed import build_backend, init_distributed, shutdown_distributed  # noqa: E402
 from dflash2.train import build_setup, fit  # noqa: E402
@@ -66,13 +67,24 @@ def family_config(args, family_dir: Path, out: Path):
 
 def run_family(args, family_dir: Path, out: Path) -> None:
     cfg = family_config(args, family_dir, out)
-    run_capture(cfg, out / "features", batch_size=2, shard_bytes=1 << 20)
     backend = build_backend(cfg.backend, cfg.ds_config if cfg.backend == "deepspeed" else None, 2, 1)
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
     setup = build_setup(cfg, backend)
     features = target_features(backend, setup.target, *padded_batch(), setup.layer_ids)
     if backend.is_main:
         save_file({"features": features.cpu().contiguous()}, str(out / "online.safetensors"))
+    capture_to_dir(
+        cfg,
+        backend,
+        setup.target,
+        setup.dataset,
+        setup.layer_ids,
+        out / "features",
+        hidden_size=setup.head.embed_weight.shape[1],
+        pad_token_id=setup.pad_token_id,
+        batch_size=2,
+        shard_bytes=1 << 20,
+    )
     fit(cfg, setup)
 
 
