@@ -70,7 +70,9 @@ def run_family(args, family_dir: Path, out: Path) -> None:
     backend = build_backend(cfg.backend, cfg.ds_config if cfg.backend == "deepspeed" else None, 2, 1)
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
     setup = build_setup(cfg, backend)
-    features = target_features(backend, setup.target, *padded_batch(), setup.layer_ids)
+    input_ids, attention_mask = padded_batch()
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask}
+    features = target_features(backend, setup.target, batch, setup.layer_ids)
     if backend.is_main:
         save_file({"features": features.cpu().contiguous()}, str(out / "online.safetensors"))
     capture_to_dir(
