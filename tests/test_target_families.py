@@ -184,8 +184,8 @@ def corrupting_oracle(sequence: list[int], block_size: int):
     steps accept 0, 1, ..., B-2 proposals and then a whole block, in turn."""
     num_steps = [0]
 
-    def draft_block(draft, head, features, anchor, temperature=0.0, generator=None):
-        position = features.shape[1]  # of the anchor
+    def draft_block(draft, head, context, anchor, temperature=0.0, generator=None):
+        position = context.length  # of the anchor: the draft's context holds the positions before it
         assert sequence[position] == anchor
         proposals = list(sequence[position + 1 : position + block_size])
         wrong = num_steps[0] % block_size
