@@ -88,6 +88,16 @@ def build_config(name: str):
             num_experts_per_tok=2,
             sliding_window=SLIDING_WINDOW,
             layer_types=["sliding_attention", "full_attention"] * (NUM_LAYERS // 2),
+            # gpt-oss's YaRN, its factor 32 consistent with the tiny context (2048 / 64)
+            rope_parameters={
+                "rope_type": "yarn",
+                "factor": 32.0,
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "truncate": False,
+                "original_max_position_embeddings": 64,
+                "rope_theta": 150000.0,
+            },
         )
     raise ValueError(f"unknown target family {name!r}; one of {FAMILY_NAMES}")
 
