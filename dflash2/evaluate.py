@@ -6,9 +6,10 @@ One request at a time (batch size 1), as a server runs it:
     repeat:
         draft a block from the anchor (the last committed token), given the target features of
         every committed position before it (the draft's context cache) -> B-1 proposals
-        verify [anchor, proposals] with ONE target forward (KV cache, hidden states)
+        verify [anchor, proposals] with ONE target forward (its cached state, layer outputs)
         accept the longest correct prefix + one bonus token from the target
-        append the committed positions' features to the draft's context cache; crop the KV cache
+        append the committed positions' features to the draft's context cache; roll the target's
+        state back to them (attention KV, conv and recurrent states: dflash2.target_state)
 
 Greedy (temperature 0): a proposal is accepted while it equals the target's argmax, so the output
 is exactly the target's own greedy decoding. Temperature > 0: lossless rejection sampling (accept x
@@ -35,12 +36,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash2.capture import extract_features
 from dflash2.data.jsonl import SampleError, iter_lines, parse_sample, prompt_turns
 from dflash2.data.render import encode_prompt, stop_token_ids
+from dflash2.export import TRAINING_RUN_NAME, read_training_run
 from dflash2.models import TargetHead, load_draft
 from dflash2.models.context_cache import DraftContextCache
 from dflash2.models.draft import DFlashDraftModel
+from dflash2.target_state import TargetState, new_cache
 
 # ------------------------------------------------------------------ decoding
 
@@ -50,6 +52,7 @@ class GenerationResult:
     output_ids: list[int]  # generated tokens (the prompt excluded; a stop token included)
     acceptance_lengths: list[int]  # tau of every verify step
     num_target_forwards: int  # prefill + verify forwards
+    num_rollback_forwards: int  # extra forwards re-feeding the kept tokens of partly rejected blocks
     clean_block_tokens: int  # tokens committed by steps in which every proposal was accepted
     block_size: int
     stop_reason: str  # "stop_token" | "max_new_tokens"
@@ -65,7 +68,7 @@ class GenerationResult:
 class _Context:
     """What the decoder carries between verify steps."""
 
-    cache: object  # transformers DynamicCache over the committed positions (before the anchor)
+    state: TargetState  # the target's state over the committed positions (before the anchor)
     draft_context: DraftContextCache  # the draft's K/V of the committed positions before the anchor
     anchor: int  # the last committed token, at position p
     output: list[int] = field(default_factory=list)
@@ -80,19 +83,6 @@ def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator |
     if temperature > 0:
         return _sample(torch.softmax(logits.float() / temperature, dim=-1), generator)
     return int(logits.argmax())
-
-
-@torch.no_grad()
-def _target_forward(target: nn.Module, ids: list[int], cache, layer_ids: Sequence[int]):
-    """One target forward over `ids` appended to the cache -> (logits [n, V], features [1, n, K*H])."""
-    device = next(target.parameters()).device
-    out = target(
-        input_ids=torch.tensor([ids], device=device),
-        cache=cache,
-        use_cache=True,
-        output_hidden_states=True,
-    )
-    return out.logits[0], extract_features(out.hidden_states, layer_ids)
 
 
 @torch.no_grad()
@@ -180,8 +170,6 @@ def speculative_generate(
     generator: torch.Generator | None = None,
 ) -> GenerationResult:
     """Decode one prompt (token ids, batch size 1) with draft + target; see the module docstring."""
-    from transformers import DynamicCache
-
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if temperature < 0:
@@ -191,13 +179,12 @@ def speculative_generate(
         raise ValueError("the prompt is empty: speculative decoding needs at least one prompt token")
     start = time.perf_counter()
     stop_ids = {int(t) for t in stop_token_ids}
-    layer_ids = draft.target_layer_ids
 
-    cache = DynamicCache()
-    logits, features = _target_forward(target, prompt, cache, layer_ids)
+    state = TargetState(target, draft.target_layer_ids)
+    logits, features = state.prefill(prompt)
     draft_context = draft.new_context_cache()
     draft.extend_context(draft_context, features)
-    ctx = _Context(cache=cache, draft_context=draft_context, anchor=_pick(logits[-1], temperature, generator))
+    ctx = _Context(state=state, draft_context=draft_context, anchor=_pick(logits[-1], temperature, generator))
     _, finished = _commit(ctx, [ctx.anchor], stop_ids, max_new_tokens)
     taus: list[int] = []
     num_forwards, clean_tokens = 1, 0
@@ -206,7 +193,7 @@ def speculative_generate(
             draft, head, ctx.draft_context, ctx.anchor, temperature, generator
         )
         proposals = proposals.tolist()
-        logits, block_features = _target_forward(target, [ctx.anchor] + proposals, ctx.cache, layer_ids)
+        logits, block_features = ctx.state.verify([ctx.anchor] + proposals)
         num_forwards += 1
         if temperature > 0:
             q_full = _full_vocab_q(q, candidates, logits.shape[-1])
@@ -214,9 +201,9 @@ def speculative_generate(
         else:
             n, bonus = verify_greedy(proposals, logits)
         # The anchor and the accepted proposals are now committed positions with valid features;
-        # the rejected proposals leave the KV cache; the bonus becomes the next anchor.
+        # the rejected proposals leave the target's state; the bonus becomes the next anchor.
         draft.extend_context(ctx.draft_context, block_features[:, : n + 1])
-        ctx.cache.crop(-(len(proposals) - n))
+        ctx.state.keep(n + 1)
         ctx.anchor = bonus
         kept, finished = _commit(ctx, proposals[:n] + [bonus], stop_ids, max_new_tokens)
         taus.append(kept)
@@ -226,6 +213,7 @@ def speculative_generate(
         output_ids=ctx.output,
         acceptance_lengths=taus,
         num_target_forwards=num_forwards,
+        num_rollback_forwards=state.num_rollback_forwards,
         clean_block_tokens=clean_tokens,
         block_size=draft.block_size,
         stop_reason="stop_token" if ctx.output[-1] in stop_ids else "max_new_tokens",
@@ -243,10 +231,8 @@ def target_generate(
 ) -> list[int]:
     """The target's own greedy decoding (one forward per token): the reference speculative
     decoding must reproduce."""
-    from transformers import DynamicCache
-
     device = next(target.parameters()).device
-    cache, output, ids = DynamicCache(), [], [int(t) for t in input_ids]
+    cache, output, ids = new_cache(target), [], [int(t) for t in input_ids]
     while len(output) < max_new_tokens:
         logits = target(input_ids=torch.tensor([ids], device=device), cache=cache, use_cache=True).logits
         ids = [int(logits[0, -1].argmax())]
@@ -283,6 +269,7 @@ def summarize(results: list[GenerationResult], block_size: int) -> dict:
     taus = [t for r in results for t in r.acceptance_lengths]
     generated = sum(len(r.output_ids) for r in results)
     forwards = sum(r.num_target_forwards for r in results)
+    rollbacks = sum(r.num_rollback_forwards for r in results)
     wall = sum(r.wall_s for r in results)
     histogram = {str(k): sum(1 for t in taus if t == k) for k in range(1, block_size + 1)}
     # Slot k's proposal was accepted in a step iff that step committed more than k tokens.
@@ -299,12 +286,15 @@ def summarize(results: list[GenerationResult], block_size: int) -> dict:
         "position_acceptance_rate": position_rate,
         "target_forwards_per_token": forwards / generated if generated else 0.0,
         "plain_decoding_forwards_per_token": 1.0,
+        # recurrent targets only: re-feeding the kept tokens of partly rejected blocks (target_state.py)
+        "rollback_forwards_per_token": rollbacks / generated if generated else 0.0,
         "tokens_per_s": generated / wall if wall > 0 else 0.0,
         "wall_s": wall,
     }
 
 
-def write_tensorboard(summary: dict, tb_dir: str | Path, step: int = 0) -> None:
+def write_tensorboard(summary: dict, tb_dir: str | Path, step: int) -> None:
+    """eval/... scalars at `step`, the training step of the evaluated export."""
     from torch.utils.tensorboard import SummaryWriter
 
     writer = SummaryWriter(str(tb_dir))
@@ -344,6 +334,7 @@ def format_table(summary: dict) -> str:
             f"{summary['mean_acceptance_length']:.3f} / {summary['block_size']}",
         ),
         ("target forwards per token", f"{summary['target_forwards_per_token']:.3f} (plain decoding: 1)"),
+        ("rollback forwards per token", f"{summary['rollback_forwards_per_token']:.3f}"),
         ("generated tokens", str(summary["generated_tokens"])),
         ("verify steps", str(summary["num_verify_steps"])),
         ("tokens/s", f"{summary['tokens_per_s']:.1f}"),
@@ -402,6 +393,32 @@ def load_models(draft_dir: str | Path, target_dir: str | Path, device: str = "cp
     return draft, target, head, tokenizer
 
 
+def run_settings(
+    draft_dir: str | Path, chat_template_kwargs: dict | None
+) -> tuple[dict | None, int, list[str]]:
+    """(chat template arguments, TensorBoard step, notes) for evaluating an export: by default those of
+    the training run that wrote it (its training_run.json), so the prompts are rendered as in training."""
+    recorded = read_training_run(draft_dir)
+    notes = []
+    if "step" not in recorded:
+        notes.append(
+            f"{draft_dir} has no {TRAINING_RUN_NAME} step: TensorBoard scalars are written at step 0"
+        )
+    if chat_template_kwargs is None:
+        if "chat_template_kwargs" not in recorded:
+            notes.append(
+                f"{draft_dir} records no chat_template_kwargs of its training run: prompts use the template's "
+                "defaults; pass --chat-template-kwargs to choose"
+            )
+        chat_template_kwargs = recorded.get("chat_template_kwargs")
+    elif recorded.get("chat_template_kwargs", chat_template_kwargs) != chat_template_kwargs:
+        notes.append(
+            f"chat_template_kwargs {chat_template_kwargs} differ from the training run's "
+            f"{recorded['chat_template_kwargs']}: prompts are rendered unlike the training data"
+        )
+    return chat_template_kwargs, int(recorded.get("step", 0)), notes
+
+
 def evaluate(
     draft_dir: str | Path,
     target_dir: str | Path,
@@ -418,9 +435,10 @@ def evaluate(
     chat_template_kwargs: dict | None = None,
 ) -> dict:
     """Load an export and its target, decode the first `num_prompts` prompts of `data_jsonl`,
-    and return (and optionally write) the summary."""
+    and return (and optionally write) the summary. `chat_template_kwargs` None: the training run's."""
     if num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    chat_template_kwargs, step, notes = run_settings(draft_dir, chat_template_kwargs)
     torch.manual_seed(seed)
     draft, target, head, tokenizer = load_models(draft_dir, target_dir, device)
     prompts = [
@@ -437,13 +455,20 @@ def evaluate(
         seed=seed,
     )
     summary.update(
-        draft=str(draft_dir), target=str(target_dir), data=str(data_jsonl), temperature=temperature, seed=seed
+        draft=str(draft_dir),
+        target=str(target_dir),
+        data=str(data_jsonl),
+        temperature=temperature,
+        seed=seed,
+        step=step,
+        chat_template_kwargs=chat_template_kwargs,
+        notes=notes,
     )
     if out_json is not None:
         Path(out_json).parent.mkdir(parents=True, exist_ok=True)
         Path(out_json).write_text(json.dumps(summary, indent=2) + "\n")
     if tb_dir is not None:
-        write_tensorboard(summary, tb_dir)
+        write_tensorboard(summary, tb_dir, step)
     if plot_path is not None:
         plot_histogram(summary, plot_path)
     return summary
@@ -468,7 +493,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         "--chat-template-kwargs",
         type=json.loads,
         default=None,
-        help="JSON for the prompt's chat template, e.g. '{\"enable_thinking\": false}' (match the server)",
+        help="JSON for the prompt's chat template, e.g. '{\"enable_thinking\": false}' (match the server; "
+        "default: what the training run used, from the export's training_run.json)",
     )
     args = parser.parse_args(argv)
     summary = evaluate(
@@ -485,6 +511,8 @@ def main(argv: Sequence[str] | None = None) -> dict:
         device=args.device,
         chat_template_kwargs=args.chat_template_kwargs,
     )
+    for note in summary["notes"]:
+        print(f"note: {note}")
     print(format_table(summary))
     return summary
 

@@ -1,6 +1,8 @@
 """Hugging Face export of a draft for SGLang and the reference loader, and the `--check` validator.
 
-An export is a directory with ``config.json`` (contract section 3) and ``model.safetensors`` (section 4).
+An export is a directory with ``config.json`` (contract section 3) and ``model.safetensors`` (section 4),
+plus ``training_run.json`` when it comes from a training run (its step and chat template arguments,
+read by evaluation; servers and the reference loader ignore it).
 The servers drop unknown tensor names silently and never report missing ones, so both the export and
 ``--check`` compare the complete name set and every shape against ``expected_tensor_shapes``.
 
@@ -23,7 +25,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from dflash2.checkpoint import DRAFT_CONFIG, DRAFT_WEIGHTS, holds_draft, read_draft
+from dflash2.checkpoint import DRAFT_CONFIG, DRAFT_WEIGHTS, holds_draft, read_draft, read_train_state
 from dflash2.config import torch_dtype
 from dflash2.hf_weights import SINGLE_FILE, tensor_files
 from dflash2.models.config import (
@@ -38,6 +40,9 @@ from dflash2.models.config import (
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = SINGLE_FILE
+# What evaluation needs to know of the run that trained an export: {"step": int, "chat_template_kwargs": dict}
+# (either may be absent). A file of its own, so config.json stays exactly the contract.
+TRAINING_RUN_NAME = "training_run.json"
 
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float16: "float16"}
 # safetensors header dtype codes -> the names config.json uses.
@@ -226,6 +231,12 @@ def _replace_dir(tmp: Path, out_dir: Path) -> None:
         shutil.rmtree(old)
 
 
+def read_training_run(export_dir: str | Path) -> dict:
+    """The export's record of its training run ({} when it has none)."""
+    path = Path(export_dir) / TRAINING_RUN_NAME
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
 def export_draft(
     model_or_state: torch.nn.Module | dict[str, torch.Tensor],
     out_dir: str | Path,
@@ -234,11 +245,13 @@ def export_draft(
     dtype: torch.dtype = torch.bfloat16,
     tokenizer: Any = None,
     target_config: Any = None,
+    training_run: dict | None = None,
 ) -> Path:
     """Write ``config.json`` + ``model.safetensors`` into ``out_dir`` atomically and validate what was written.
 
     model_or_state: a draft module (its ``.config`` a Qwen3Config with ``dflash_config``) or a state dict
     with contract names (an optional ``model.`` prefix is stripped), in which case ``config`` is required.
+    training_run: written as ``training_run.json`` (e.g. {"step": 300, "chat_template_kwargs": {}}).
     Raises ValueError listing every problem; nothing is left at ``out_dir`` when validation fails.
     """
     if dtype not in DTYPE_NAMES:
@@ -268,12 +281,23 @@ def export_draft(
     with open(tmp / CONFIG_NAME, "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
         f.write("\n")
+    if training_run is not None:
+        (tmp / TRAINING_RUN_NAME).write_text(json.dumps(training_run, indent=2, sort_keys=True) + "\n")
     problems = check_export(tmp, tokenizer=tokenizer, target_config=target_config)
     if problems:
         shutil.rmtree(tmp)
         raise ValueError("export failed its own check:\n  " + "\n  ".join(problems))
     _replace_dir(tmp, out_dir)
     return out_dir
+
+
+def source_training_run(path: str | Path) -> dict | None:
+    """What an export of `path` records of its training run: the step of a training checkpoint (its
+    chat template arguments are not in the checkpoint), or the record of an export; None if neither."""
+    path = Path(path)
+    if holds_draft(path):
+        return {"step": read_train_state(path).step}
+    return read_training_run(path) or None
 
 
 def load_source(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
@@ -334,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
                 dtype=torch_dtype(args.dtype),
                 tokenizer=tokenizer,
                 target_config=target_config,
+                training_run=source_training_run(args.source),
             )
         except ValueError as error:
             print(error, file=sys.stderr)

@@ -290,18 +290,18 @@ def draft_activation_bytes(s: StepShapes, act: int) -> dict[str, float]:
 
 
 def capture_items(target: nn.Module, s: StepShapes, target_bytes: int, act: int) -> list[Item]:
-    """No-grad target forward: every hidden state is returned (output_hidden_states), one layer's
-    intermediates live at a time, and the captured features [b, S, K*H] are kept for the draft."""
+    """No-grad target forward: hooks keep the outputs of the K captured layers beside the running
+    hidden state, one layer's intermediates live at a time, and the captured features [b, S, K*H]
+    are kept for the draft."""
     tokens = s.batch * s.seq_len
-    num_hidden_states = target.config.get_text_config().num_hidden_layers + 1
     widest_layer = max(
         sum(m.out_features for m in block.modules() if isinstance(m, nn.Linear))
         for block in target.modules()
         if type(block).__name__ in set(target._no_split_modules or ())
     )
     return [
-        Item("target hidden states", tokens * s.hidden * num_hidden_states * target_bytes,
-             f"{num_hidden_states} x [b, S, H] (output_hidden_states)"),
+        Item("target layer outputs", tokens * s.hidden * (s.num_features + 1) * target_bytes,
+             f"{s.num_features} hooked layer outputs + the running [b, S, H]"),
         Item("target layer working set", tokens * (widest_layer + 2 * s.hidden) * target_bytes,
              "one layer's projections, upper bound"),
         Item("captured features", tokens * s.num_features * s.hidden * act, "[b, S, K*H]"),

@@ -34,6 +34,7 @@ from dflash2.data.jsonl import SampleError, iter_lines, parse_sample, prompt_tur
 from dflash2.data.regenerate import LocalTargetGenerator, regenerate_conversations
 from dflash2.data.render import encode_prompt, render_with_loss_mask, stop_token_ids
 from dflash2.evaluate import speculative_generate, target_generate
+from dflash2.export import read_training_run
 from dflash2.models import TargetHead, load_draft
 from dflash2.run import run
 
@@ -125,7 +126,9 @@ def decode_check(
     export_dir: Path, target, tokenizer, sample: dict, max_new_tokens: int, template_kwargs
 ) -> dict:
     """Reload the export, decode the sample's prompt with speculative decoding, compare with the
-    target's own greedy reply. Returns the decode fields of the result, `errors` and `warnings`."""
+    target's own greedy reply. Returns the decode fields of the result, `errors` and `warnings`.
+    The prompt is rendered with the chat template arguments the export's training run recorded."""
+    template_kwargs = read_training_run(export_dir).get("chat_template_kwargs", template_kwargs)
     draft = load_draft(export_dir, dtype=torch.float32)
     head = TargetHead.from_target(target, dtype=torch.float32)
     block_size = draft.block_size

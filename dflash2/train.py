@@ -250,16 +250,20 @@ def fit(cfg: RunConfig, setup: Setup, timer: StepTimer | None = None) -> dict[st
     else:
         final = ckpt
     if cfg.train.export and state.step == cfg.train.max_steps:
-        export_final(setup, run_dir / "export")
+        training_run = {"step": state.step, "chat_template_kwargs": dict(cfg.data.chat_template_kwargs)}
+        export_final(setup, run_dir / "export", training_run)
     logger.close()
     if backend.is_main:
         print(f"[dflash2] done: step {state.step}, checkpoint {final}")
     return summary
 
 
-def export_final(setup: Setup, out_dir: Path) -> None:
+def export_final(setup: Setup, out_dir: Path, training_run: dict) -> None:
+    """The final export, recording the step and chat template arguments that evaluation defaults to."""
     state = setup.backend.full_draft_state_dict()  # collective
     if setup.backend.is_main:
-        export_draft(state, out_dir, config=setup.draft_config, tokenizer=setup.tokenizer)
+        export_draft(
+            state, out_dir, config=setup.draft_config, tokenizer=setup.tokenizer, training_run=training_run
+        )
         print(f"[dflash2] exported {out_dir}")
     setup.backend.barrier()

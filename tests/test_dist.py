@@ -17,7 +17,7 @@ from dflash2.checkpoint import find_latest
 from dflash2.distributed.ds_config import resolve_ds_config
 from dflash2.distributed.env import _fill_launch_env, build_backend
 from tests.dist_scripts.tiny import StandInDraft, micro_batch, save_tiny_target, weighted_loss_sum
-from tests.dist_scripts.train_tiny import MICRO_BATCH_SIZE, target_inputs
+from tests.dist_scripts.train_tiny import MICRO_BATCH_SIZE, TARGET_LAYER_IDS, target_inputs
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "dist_scripts" / "train_tiny.py"
@@ -151,21 +151,22 @@ def test_target_is_sharded(runs, backend, nproc):
 
 
 @pytest.mark.parametrize("backend,nproc", ALL_RUNS)
-def test_target_hidden_states_and_head_match_unsharded_model(runs, backend, nproc, target_dir):
+def test_target_features_and_head_match_unsharded_model(runs, backend, nproc, target_dir):
     run = runs(backend, nproc)
     from transformers import AutoModelForCausalLM
 
     reference = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    # the output of the last decoder layer, not its final-normed version that hidden_states[L] holds
+    reference.get_decoder().config.tie_last_hidden_states = False
     input_ids, attention_mask = target_inputs()
     with torch.no_grad():
-        expected = torch.stack(
-            reference(input_ids, attention_mask=attention_mask, output_hidden_states=True).hidden_states
-        )
+        hidden = reference(input_ids, attention_mask=attention_mask, output_hidden_states=True).hidden_states
+    expected = torch.cat([hidden[i + 1] for i in TARGET_LAYER_IDS], dim=-1)
     for rank in range(run["nproc"]):
         got = load_file(str(run["base"] / "first" / f"target_rank{rank}.safetensors"))
-        assert got["hidden"].shape == expected.shape  # [num_layers + 1, b, S, H]
+        assert got["features"].shape == expected.shape  # [b, S, K*H]
         # fp32, same kernels: only reduction-order differences from the sharded all-gathers
-        torch.testing.assert_close(got["hidden"], expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got["features"], expected, atol=1e-5, rtol=1e-5)
         assert torch.equal(got["embed"], reference.get_input_embeddings().weight)
         assert torch.equal(got["lm_head"], reference.get_output_embeddings().weight)
 

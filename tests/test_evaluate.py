@@ -40,6 +40,31 @@ def build_target(
     return target
 
 
+def build_hybrid_target(vocab_size: int, seed: int = 0):
+    """A random Qwen3.5 hybrid target: a Gated DeltaNet layer (conv + recurrent state), then attention."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    config = Qwen3_5TextConfig(
+        vocab_size=vocab_size,
+        hidden_size=HIDDEN,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    return randomize_(Qwen3_5ForCausalLM(config).eval(), seed=seed, scale=0.2)
+
+
 def build_random_draft(
     architecture: str,
     vocab_size: int = 300,
@@ -211,22 +236,35 @@ def null_tv_bound(marginal: torch.Tensor, num_runs: int, seed: int = 0) -> float
     return float(0.5 * (freq - marginal).abs().sum(-1).max())
 
 
-def test_sampling_is_lossless():
+@pytest.mark.parametrize(
+    "kind, target_seed, draft_seed",
+    [("dense", 5, 8), pytest.param("hybrid", 6, 9, marks=pytest.mark.slow)],  # hybrid: ~13 s alone
+)
+def test_sampling_is_lossless(kind, target_seed, draft_seed):
     """Sampling at T > 0 with a random DFlash 2 draft (q != p): over NUM_RUNS seeded runs the 2nd and
     3rd tokens (drawn by accept / reject-and-resample / bonus, never by the prefill) follow the
     target's own distribution. The allowed total variation is the largest one 400 simulated exact
     samplers show (about 0.05 here); a verifier that resamples from p instead of max(p - q, 0), or
-    that accepts every proposal, lands at 0.1 to 0.3."""
-    target = build_target(vocab_size=SMALL_VOCAB, seed=5, num_layers=2)
+    that accepts every proposal, lands at 0.1 to 0.3. On the hybrid target, a 3rd token drawn after
+    a rejection at the first slot comes from the state rolled back to the 2nd token."""
+    if kind == "dense":
+        target = build_target(vocab_size=SMALL_VOCAB, seed=target_seed, num_layers=2)
+    else:
+        target = build_hybrid_target(vocab_size=SMALL_VOCAB, seed=target_seed)
     head = TargetHead.from_target(target)
     draft = build_random_draft(
-        "DFlash2DraftModel", vocab_size=SMALL_VOCAB, seed=8, top_k=4, target_layer_ids=(0, 1), num_layers=1
+        "DFlash2DraftModel",
+        vocab_size=SMALL_VOCAB,
+        seed=draft_seed,
+        top_k=4,
+        target_layer_ids=(0, 1),
+        num_layers=1,
     )
     prompt = [1, 4, 3, 0, 2]
     exact = exact_marginals(target, prompt)
     counts = torch.zeros(2, SMALL_VOCAB, dtype=torch.float64)
     generator = torch.Generator().manual_seed(0)
-    num_accepted = 0
+    num_accepted = num_rollbacks = 0
     for _ in range(NUM_RUNS):
         result = ev.speculative_generate(
             draft, target, head, prompt, max_new_tokens=3, temperature=TEMPERATURE, generator=generator
@@ -234,12 +272,15 @@ def test_sampling_is_lossless():
         counts[0, result.output_ids[1]] += 1
         counts[1, result.output_ids[2]] += 1
         num_accepted += result.acceptance_lengths[0] > 1
+        num_rollbacks += result.num_rollback_forwards > 0
     for position in (0, 1):
         tv = float(0.5 * (counts[position] / NUM_RUNS - exact[position + 1]).abs().sum())
         bound = null_tv_bound(exact[position + 1], NUM_RUNS, seed=position)
         assert tv < bound, f"token {position + 2}: total variation {tv:.4f} >= {bound:.4f}"
     # Both branches ran: some first proposals were accepted, some rejected.
     assert 0.1 * NUM_RUNS < num_accepted < 0.9 * NUM_RUNS, num_accepted
+    # Only the hybrid rolls back, whenever the first block was partly rejected.
+    assert (num_rollbacks > 0.1 * NUM_RUNS) if kind == "hybrid" else num_rollbacks == 0, num_rollbacks
 
 
 def test_verify_sampling_matches_target_distribution():
@@ -312,4 +353,22 @@ def test_cli_writes_json_tensorboard_and_plot(tiny_default, tmp_path, capsys):
     events.Reload()
     logged = events.Scalars("eval/mean_acceptance_length")
     assert logged[0].value == pytest.approx(summary["mean_acceptance_length"])
+    # an export without a record of its training run: step 0, and both gaps are said
+    assert logged[0].step == 0 and summary["chat_template_kwargs"] is None
+    assert [note.split(":")[0] for note in summary["notes"]] == [
+        f"{export} has no training_run.json step",
+        f"{export} records no chat_template_kwargs of its training run",
+    ]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_evaluation_defaults_to_the_training_run_of_the_export(tmp_path):
+    (tmp_path / "training_run.json").write_text(
+        json.dumps({"step": 300, "chat_template_kwargs": {"enable_thinking": False}})
+    )
+    assert ev.run_settings(tmp_path, None) == ({"enable_thinking": False}, 300, [])
+    assert ev.run_settings(tmp_path, {"enable_thinking": False}) == ({"enable_thinking": False}, 300, [])
+    # an explicit choice wins, and the difference is said
+    kwargs, step, notes = ev.run_settings(tmp_path, {"enable_thinking": True})
+    assert kwargs == {"enable_thinking": True} and step == 300
+    assert len(notes) == 1 and "differ from the training run's {'enable_thinking': False}" in notes[0]

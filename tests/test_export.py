@@ -18,7 +18,7 @@ from dflash import model as reference
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from dflash2.export import check_export, export_config, export_draft, main
+from dflash2.export import check_export, export_config, export_draft, main, read_training_run
 from dflash2.models import TargetHead, build_draft, load_draft
 from dflash2.models.config import expected_tensor_shapes, load_config_dict, to_qwen3_config
 
@@ -263,11 +263,17 @@ def test_export_cli_from_training_checkpoint(tmp_path):
     write_dir(
         tmp_path / "ckpt", cfg, state, config_name="draft_config.json", weights_name="draft.safetensors"
     )
+    (tmp_path / "ckpt" / "train_state.json").write_text(json.dumps({"step": 1200, "epoch": 3}))
     result = run_cli(tmp_path / "ckpt", tmp_path / "out")
-    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.returncode == 0, result.stdout + result.stderr  # its --check passed, record and all
     assert "bfloat16" in result.stdout.splitlines()[-1]
     exported = load_file(tmp_path / "out" / "model.safetensors")
     assert all(torch.equal(exported[name], state[name].to(torch.bfloat16)) for name in state)
+    # the checkpoint's step, for evaluation's TensorBoard (its chat template arguments are not in it)
+    assert read_training_run(tmp_path / "out") == {"step": 1200}
+    # an export of that export keeps the record
+    assert main([str(tmp_path / "out"), str(tmp_path / "again")]) == 0
+    assert read_training_run(tmp_path / "again") == {"step": 1200}
 
 
 def test_export_cli_from_model_dir_with_prefix_and_top_level_fields(tmp_path, capsys):
@@ -279,6 +285,7 @@ def test_export_cli_from_model_dir_with_prefix_and_top_level_fields(tmp_path, ca
     exported = load_file(tmp_path / "out" / "model.safetensors")
     assert exported.keys() == state.keys() and all(torch.equal(exported[n], state[n]) for n in state)
     assert json.loads((tmp_path / "out" / "config.json").read_text())["dflash_config"] == cfg["dflash_config"]
+    assert not (tmp_path / "out" / "training_run.json").exists()  # nothing known of a training run
 
 
 def test_export_cli_checks_target(tmp_path, capsys):

@@ -29,6 +29,7 @@ LAYERS = {
     "dflash2.capture": 3,
     "dflash2.checkpoint": 3,
     "dflash2.export": 4,
+    "dflash2.target_state": 4,
     "dflash2.train_log": 4,
     "dflash2.train": 5,
     "dflash2.run": 6,

@@ -114,9 +114,11 @@ def test_cached_decoding_matches_reference_decoding_loop(architecture):
     """Our speculative decoding (draft context cache, sliding window 6 < 40 generated tokens) and the
     reference's `dflash_generate` (its DynamicCache of the draft's context K/V) draft the same block
     hidden states at every step. The reference shrinks its last block to the tokens left, so the
-    steps compared are those where it drafted a whole block."""
+    steps compared are those where it drafted a whole block. The draft reads target layers 0, 2, 3
+    of a 5-layer target: for the last layer's id the reference reads Hugging Face's final-normed
+    hidden_states[L], not that layer's output as the contract (and dflash2) does."""
     torch.manual_seed(0)
-    target = build_target()
+    target = build_target(num_layers=5)
     head = TargetHead.from_target(target)
     draft = build_random_draft(architecture)
     assert draft.layers[0].self_attn.sliding_window == 6

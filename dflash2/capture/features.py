@@ -1,8 +1,17 @@
-"""From the target's hidden states to the draft's context features."""
+"""From the target's decoder layers to the draft's context features.
+
+The contract's feature of layer id k is the OUTPUT of decoder layer k (0-based), for every k in
+0..L-1. Hugging Face's `output_hidden_states` does not give that for the last layer: its
+`hidden_states[L]` is the final-normed state. So the outputs are read with forward hooks on the
+decoder layers themselves, which also keeps only the K requested layers instead of all L + 1
+hidden states. Hooks see plain activations, so they work the same on an unsharded model, under
+ZeRO-3 and under FSDP2.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Protocol
 
 import torch
@@ -21,29 +30,74 @@ class FeatureSource(Protocol):
         ...
 
 
-def extract_features(hidden_states: Sequence[torch.Tensor], layer_ids: Sequence[int]) -> torch.Tensor:
-    """Concatenate the outputs of decoder layers `layer_ids` -> [b, S, K*H].
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The decoder layers of a causal LM's text decoder (the language model of a vision-language
+    checkpoint): what `target_layer_ids` index."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    layers = getattr(decoder, "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(
+            f"{type(model).__name__} has no text decoder with a `layers` list (model.get_decoder().layers); "
+            "use a target of a supported family (docs/targets.md)"
+        )
+    return layers
 
-    `hidden_states` is Hugging Face's `output_hidden_states` tuple: index 0 is the embedding output,
-    so the output of decoder layer k is `hidden_states[k + 1]`.
-    """
-    num_layers = len(hidden_states) - 1
+
+def check_layer_ids(layer_ids: Sequence[int], num_layers: int) -> None:
     bad = [i for i in layer_ids if not 0 <= i < num_layers]
     if bad:
         raise ValueError(
             f"target_layer_ids {list(bad)} out of range for a target with {num_layers} decoder layers "
             f"(valid ids: 0..{num_layers - 1}); fix dflash_config.target_layer_ids in the draft config"
         )
-    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
 
 
+class LayerOutputs:
+    """What the hooks of `capture_layer_outputs` caught in the last forward."""
+
+    def __init__(self, layer_ids: Sequence[int]) -> None:
+        self.layer_ids = [int(i) for i in layer_ids]
+        self.outputs: dict[int, torch.Tensor] = {}
+
+    def hook(self, layer_id: int):
+        def keep(module: nn.Module, args, output) -> None:
+            # decoder layers return the hidden states, or a tuple starting with them
+            self.outputs[layer_id] = output[0] if isinstance(output, tuple) else output
+
+        return keep
+
+    def features(self) -> torch.Tensor:
+        """Outputs of layers `layer_ids`, concatenated in that order: [b, S, K*H]."""
+        missing = [i for i in self.layer_ids if i not in self.outputs]
+        assert not missing, f"no forward reached decoder layers {missing} inside capture_layer_outputs"
+        return torch.cat([self.outputs[i] for i in self.layer_ids], dim=-1)
+
+
+@contextmanager
+def capture_layer_outputs(model: nn.Module, layer_ids: Sequence[int]) -> Iterator[LayerOutputs]:
+    """Inside the block, each forward of `model` leaves the outputs of decoder layers `layer_ids`
+    in the yielded LayerOutputs (`.features()` -> [b, S, K*H]). `model` is the module itself (a
+    DeepSpeed engine's `.module`); FSDP2-sharded models are passed as they are."""
+    layers = decoder_layers(model)
+    check_layer_ids(layer_ids, len(layers))
+    captured = LayerOutputs(layer_ids)
+    handles = [layers[i].register_forward_hook(captured.hook(i)) for i in sorted(set(captured.layer_ids))]
+    try:
+        yield captured
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@torch.no_grad()
 def target_features(
     backend: Backend, target: nn.Module, batch: dict, layer_ids: Sequence[int]
 ) -> torch.Tensor:
     """One forward of the frozen target over a collated batch -> features [b, S, K*H] (collective
     over the target's group)."""
-    hidden = backend.target_hidden_states(target, batch["input_ids"], batch["attention_mask"])
-    return extract_features(hidden, layer_ids)
+    with capture_layer_outputs(backend.target_module(target), layer_ids) as captured:
+        backend.target_forward(target, batch["input_ids"], batch["attention_mask"])
+    return captured.features()
 
 
 def capture_samples(

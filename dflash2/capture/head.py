@@ -37,13 +37,26 @@ def target_num_parameters(target_dir: str | Path) -> int:
     return total
 
 
+def _checkpoint_model(config) -> torch.nn.Module:
+    """The class that wrote the checkpoint (config.architectures), so its module names are the
+    checkpoint's tensor names: a vision-language checkpoint keeps its text decoder under
+    `model.language_model.*`, which AutoModelForCausalLM renames only while loading."""
+    import transformers
+
+    architectures = getattr(config, "architectures", None) or []
+    model_class = getattr(transformers, architectures[0], None) if len(architectures) == 1 else None
+    if model_class is None:
+        return transformers.AutoModelForCausalLM.from_config(config)
+    return model_class(config)
+
+
 def _head_tensor_names(target_dir: str | Path) -> tuple[str, str, bool]:
     """(embedding weight name, LM head module name, tied) from the target's class, built on meta."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(target_dir)
     with torch.device("meta"):  # no memory: only the module names are wanted
-        model = AutoModelForCausalLM.from_config(config)
+        model = _checkpoint_model(config)
     module_names = {id(module): name for name, module in model.named_modules()}
     embed, head = head_modules(model)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config

@@ -121,20 +121,23 @@ class Backend(ABC):
     def target_head(self, target: nn.Module, dtype: torch.dtype) -> TargetHead:
         """Full embedding + LM head on every rank, gathered from the shards (collective)."""
 
+    def target_module(self, target: nn.Module) -> nn.Module:
+        """The Hugging Face model inside what load_target returned (to reach its decoder layers)."""
+        return target
+
     @torch.no_grad()
-    def target_hidden_states(
+    def target_forward(
         self, target: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
-    ) -> tuple[torch.Tensor, ...]:
-        """`target(..., output_hidden_states=True).hidden_states`: embeddings + one [b, S, H] per layer (collective)."""
+    ) -> None:
+        """One no-grad forward of the sharded target (collective); the features are read by hooks on its
+        decoder layers (dflash2.capture.features), so no hidden states or cache are returned."""
         # logits_to_keep=1: the LM head runs on one position only; its output is not used here
-        out = target(
+        target(
             input_ids=input_ids.to(self.device),
             attention_mask=attention_mask.to(self.device),
-            output_hidden_states=True,
             use_cache=False,
             logits_to_keep=1,
         )
-        return out.hidden_states
 
     @abstractmethod
     def setup_draft(

@@ -82,6 +82,9 @@ class DeepSpeedBackend(Backend):
         engine.eval()
         return engine
 
+    def target_module(self, target: nn.Module) -> nn.Module:
+        return _unwrap(target)
+
     def target_head(self, target: nn.Module, dtype: torch.dtype) -> TargetHead:
         tensors = head_tensors(_unwrap(target))
         # a tied LM head is the embedding itself: gather each parameter once

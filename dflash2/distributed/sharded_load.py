@@ -7,14 +7,18 @@ towards the process's resident memory while it is open, so slicing half of every
 map costs as much host memory as loading all of it (docs/benchmarks.md). Checkpoint names are mapped
 to module names by transformers' own renaming rules for the model class (e.g. a
 `model.language_model.*` checkpoint into a `*ForCausalLM`); checkpoint tensors the model lacks (a
-vision tower) are skipped, as `from_pretrained` skips them.
+vision tower) are skipped, as `from_pretrained` skips them. Mixture-of-experts checkpoints that store
+each expert apart (Qwen3-MoE) are read into the model's fused expert tensors [E, ...], expert by
+expert, as transformers' merge rule for them stacks them (`StackedExperts`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import struct
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -81,17 +85,45 @@ def _local_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, int]:
     return tensor.to_local(), offset[0] if local_shape[0] else 0
 
 
-def read_local_shards(model: nn.Module, names: dict[str, str], files: dict[str, Path]) -> None:
+@dataclass(frozen=True)
+class StackedExperts:
+    """A fused expert tensor [E, ...] that the checkpoint stores per expert: expert e's slice is the
+    concatenation, on its first dim, of `parts[p][e]` (checkpoint names) for p in order (transformers'
+    MergeModulelist(dim=0), then Concatenate(dim=1) when there are several parts, e.g. gate and up)."""
+
+    parts: tuple[tuple[str, ...], ...]
+
+
+def read_local_shards(
+    model: nn.Module, names: dict[str, str | StackedExperts], files: dict[str, Path]
+) -> None:
     """Fill this rank's shard of every tensor from the checkpoint, casting the file's dtype to the model's."""
     headers: dict[Path, tuple[dict, int]] = {}
-    for checkpoint_name, tensor in _tensors_to_read(model, names).items():
-        path = files[checkpoint_name]
+
+    def copy(name: str, first_row: int, local: torch.Tensor) -> None:
+        path = files[name]
         if path not in headers:
             headers[path] = _safetensors_header(path)
         header, data_start = headers[path]
+        _copy_rows(path, header[name], data_start, first_row, local)
+
+    for source, tensor in _tensors_to_read(model, names).items():
         local, first_row = _local_rows(tensor)
         with torch.no_grad():
-            _copy_rows(path, header[checkpoint_name], data_start, first_row, local)
+            if isinstance(source, StackedExperts):
+                _copy_experts(source, first_row, local, copy)
+            else:
+                copy(source, first_row, local)
+
+
+def _copy_experts(source: StackedExperts, first_expert: int, local: torch.Tensor, copy) -> None:
+    """This rank's experts of a fused tensor (FSDP2 shards dim 0: whole experts); in each expert's
+    slice the parts fill equal shares of its first dim, in order (gate, then up)."""
+    rows = local.shape[1] // len(source.parts)
+    assert rows * len(source.parts) == local.shape[1], (source, tuple(local.shape))
+    for row in range(local.shape[0]):
+        for index, part in enumerate(source.parts):
+            copy(part[first_expert + row], 0, local[row, index * rows : (index + 1) * rows])
 
 
 def build_on_meta(target_dir: str, dtype: torch.dtype) -> nn.Module:
@@ -103,8 +135,9 @@ def build_on_meta(target_dir: str, dtype: torch.dtype) -> nn.Module:
         return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
 
-def checkpoint_names(model: nn.Module, checkpoint_keys: list[str]) -> dict[str, str]:
-    """Model state-dict name -> checkpoint tensor name, by transformers' renaming rules for this class."""
+def checkpoint_names(model: nn.Module, checkpoint_keys: list[str]) -> dict[str, str | StackedExperts]:
+    """Model state-dict name -> checkpoint tensor name (or the per-expert names of a fused expert
+    tensor), by transformers' renaming and expert-merging rules for this class."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
@@ -112,22 +145,55 @@ def checkpoint_names(model: nn.Module, checkpoint_keys: list[str]) -> dict[str, 
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     model_keys = model.state_dict()
-    names = {}
+    names: dict[str, str | StackedExperts] = {}
+    experts: dict[str, dict[tuple[int, int], str]] = {}  # fused name -> (part, expert) -> checkpoint name
     for key in checkpoint_keys:
-        renamed, converter = rename_source_key(
+        renamed, source_pattern = rename_source_key(
             key, renamings, converters, model.base_model_prefix, model_keys
         )
-        if converter is not None:
-            raise ValueError(
-                f"checkpoint tensor {key!r} must be converted (merged or split) to load into "
-                f"{type(model).__name__}, which sharded FSDP2 loading does not do; use backend=deepspeed"
-            )
-        if renamed in model_keys:
+        if renamed not in model_keys:
+            continue
+        if source_pattern is None:
             names[renamed] = key
+            continue
+        converter = next(c for c in converters if source_pattern in c.source_patterns)
+        part = converter.source_patterns.index(source_pattern)
+        experts.setdefault(renamed, {})[part, _expert_index(key, source_pattern, converter, model)] = key
+    for name, found in experts.items():
+        names[name] = _stacked(name, found)
     return names
 
 
-def _tensors_to_read(model: nn.Module, names: dict[str, str]) -> dict[str, torch.Tensor]:
+def _expert_index(key: str, source_pattern: str, converter, model: nn.Module) -> int:
+    """The expert number in `key`, when `converter` only stacks experts (and concatenates parts)."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    operations = [(type(op), getattr(op, "dim", None)) for op in converter.operations]
+    if operations not in ([(MergeModulelist, 0)], [(MergeModulelist, 0), (Concatenate, 1)]):
+        raise ValueError(
+            f"checkpoint tensor {key!r} must be converted ({[type(op).__name__ for op in converter.operations]}) "
+            f"to load into {type(model).__name__}, which sharded FSDP2 loading does not do; use "
+            "backend=deepspeed"
+        )
+    pattern = re.escape(source_pattern).replace(r"\*", r"(\d+)")
+    return int(re.search(pattern, key).group(1))
+
+
+def _stacked(name: str, found: dict[tuple[int, int], str]) -> StackedExperts:
+    num_parts = 1 + max(part for part, _ in found)
+    num_experts = 1 + max(expert for _, expert in found)
+    missing = [(p, e) for p in range(num_parts) for e in range(num_experts) if (p, e) not in found]
+    if missing:
+        raise ValueError(
+            f"the target checkpoint lacks {len(missing)} expert tensors of {name}; point model.target at "
+            "the complete Hugging Face directory"
+        )
+    return StackedExperts(tuple(tuple(found[p, e] for e in range(num_experts)) for p in range(num_parts)))
+
+
+def _tensors_to_read(
+    model: nn.Module, names: dict[str, str | StackedExperts]
+) -> dict[str | StackedExperts, torch.Tensor]:
     """Checkpoint name -> this rank's (sharded) tensor to fill; a tensor shared by several names
     (tied embeddings) is read once, from whichever name the checkpoint holds."""
     by_tensor: dict[int, list[str]] = {}

@@ -1,6 +1,7 @@
 """Launched by tests/test_dist.py (torchrun, 2 ranks, or plain python): exercises one backend end to end.
 
-Writes into --out: per-rank target shard sizes, the target's hidden states and head, the draft's
+Writes into --out: per-rank target shard sizes, the target's features (outputs of decoder layers
+TARGET_LAYER_IDS) and head, the draft's
 initial and final full weights, the data seeds it drew, and (on resume) the contract error message.
 """
 
@@ -20,6 +21,7 @@ from safetensors.torch import save_file
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from dflash2 import checkpoint  # noqa: E402
+from dflash2.capture import target_features  # noqa: E402
 from dflash2.checkpoint import find_latest, load_checkpoint  # noqa: E402
 from dflash2.config import OptimConfig  # noqa: E402
 from dflash2.distributed import build_backend, init_distributed, shutdown_distributed  # noqa: E402
@@ -27,6 +29,7 @@ from tests.dist_scripts.tiny import StandInDraft, micro_batch, weighted_loss_sum
 
 MICRO_BATCH_SIZE = 3
 GRAD_ACCUM_STEPS = 2
+TARGET_LAYER_IDS = [1, 0]  # both layers of the 2-layer tiny target, the last one first
 CONTRACT = {"architecture": "stand-in", "block_size": 4, "target_layer_ids": [0, 1], "grad_accum_steps": 2}
 
 
@@ -61,11 +64,12 @@ def check_target(backend, args, out: Path) -> None:
     local, total = local_and_total_numel(target)
     (out / f"target_numel_rank{backend.rank}.json").write_text(json.dumps({"local": local, "total": total}))
     input_ids, attention_mask = target_inputs()
-    hidden = backend.target_hidden_states(target, input_ids, attention_mask)
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask}
+    features = target_features(backend, target, batch, TARGET_LAYER_IDS)
     head = backend.target_head(target, torch.float32)
     save_file(
         {
-            "hidden": torch.stack([h.cpu() for h in hidden]).contiguous(),
+            "features": features.cpu().contiguous(),
             "embed": head.embed_weight.cpu().contiguous(),
             "lm_head": head.lm_head_weight.cpu().contiguous(),
         },
