@@ -55,6 +55,17 @@ def run_main(main: Callable[[Sequence[str] | None], object], argv: Sequence[str]
     return result if isinstance(result, int) else 0
 
 
+def job_exit_code(worker_codes: list[int]) -> int:
+    """A launcher's exit code from its failed workers' codes (negative: ended by that signal): 75 when
+    workers stopped on a signal (those still exiting may have been ended by the launcher), 2 when every
+    worker met the same user error, else 1."""
+    if EXIT_STOPPED in worker_codes and all(c == EXIT_STOPPED or c < 0 for c in worker_codes):
+        return EXIT_STOPPED
+    if set(worker_codes) == {EXIT_USER_ERROR}:
+        return EXIT_USER_ERROR
+    return EXIT_FAILED
+
+
 def _report(error: Exception, debug: bool, code: int, every_rank: bool) -> int:
     if debug:
         traceback.print_exc()

@@ -28,16 +28,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException  # noq
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
 from torch.distributed.run import main as torchrun  # noqa: E402
 
-from dflash2.errors import EXIT_FAILED, EXIT_STOPPED, EXIT_USER_ERROR  # noqa: E402
-
-
-def job_exit_code(worker_codes: list[int]) -> int:
-    """The job's exit code from its failed workers' codes (negative: ended by that signal)."""
-    if EXIT_STOPPED in worker_codes and all(c == EXIT_STOPPED or c < 0 for c in worker_codes):
-        return EXIT_STOPPED  # workers still exiting after the first stopped one were ended by torchrun
-    if set(worker_codes) == {EXIT_USER_ERROR}:
-        return EXIT_USER_ERROR
-    return EXIT_FAILED
+from dflash2.errors import EXIT_FAILED, EXIT_STOPPED, job_exit_code  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
