@@ -16,6 +16,7 @@ DFLASH2_DIST_TIMEOUT_S seconds for a peer, so a dead or frozen rank stops the jo
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -188,10 +189,9 @@ def run_capture_rank(
     }
     sender = FeatureSender(transfer_group, train.micro_batch_size, backend.device)
     store = dist.distributed_c10d._get_default_store()  # the job's rendezvous store (no public getter)
+    threading.Thread(target=_relay_stop_request, args=(store,), name="stop-relay", daemon=True).start()
     # what fit() consumes from the resumed step on, unless the trainers stop earlier
     for number in range((train.last_step - state.step) * train.grad_accum_steps):
-        if stop_request.signal_name is not None:
-            store.set(STOP_KEY, stop_request.signal_name)  # the trainers decide when to stop
         with collective_section(f"capture of micro-batch {number + 1}"):
             if stop_request.agreed(backend, store.check([TRAINERS_DONE_KEY])):  # every capture rank agrees
                 stop_request.stopped = True
@@ -204,6 +204,14 @@ def run_capture_rank(
                     sender.send(num_capture + trainer, indices, features)
     with collective_section("delivering the last features"):
         sender.close()
+
+
+def _relay_stop_request(store: dist.Store) -> None:
+    """Tell the trainers, who decide when to stop, that this capture rank got a stop signal: as soon
+    as it comes, even while this rank waits for them (it may have sent everything long before)."""
+    while stop_request.signal_name is None:
+        time.sleep(0.1)
+    store.set(STOP_KEY, stop_request.signal_name)
 
 
 def run_trainer_rank(
