@@ -159,7 +159,7 @@ def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunCo
     """Read the YAML, apply overrides, validate. Every problem is reported with its dotted key."""
     tree: dict = {}
     if path is not None:
-        require_path(path, "--config", "file", "the run config YAML")
+        require_path(path, "config", "file", "the run config YAML")
         try:
             with open(path) as f:
                 tree = yaml.safe_load(f) or {}
