@@ -248,21 +248,23 @@ def _cleanup_on_write_error(backend: Backend, root: Path, final: Path, partial: 
     try:
         yield
     except (OSError, SafetensorError) as error:
+        free = _free_space(root)  # when the write failed, before the partial checkpoint goes
         if (partial / COMPLETE).is_file():
             _remove_checkpoint(partial)
         shutil.rmtree(partial, ignore_errors=True)
         latest = find_latest(root.parent)
         raise CheckpointWriteError(
-            f"rank {backend.rank}: writing checkpoint {final} failed: {error}. {_free_space(root)} free "
-            f"on its file system. The partial checkpoint was removed; the latest checkpoint is still "
-            f"{latest or 'none'}. Free some space (or set output_dir on a larger file system) and resume."
+            f"rank {backend.rank}: writing checkpoint {final} failed: {error}. {free} free on its file "
+            f"system. The partial checkpoint was removed; the latest checkpoint is still {latest or 'none'}. "
+            "Free some space (or set output_dir on a larger file system) and resume."
         ) from error
 
 
 def _free_space(path: Path) -> str:
     while not path.exists() and path != path.parent:  # the checkpoints directory may not exist yet
         path = path.parent
-    return f"{shutil.disk_usage(path).free / 2**30:.2f} GiB"
+    free = shutil.disk_usage(path).free
+    return f"{free / 2**30:.1f} GiB" if free >= 2**30 else f"{free / 2**20:.1f} MiB"
 
 
 def _write_latest(root: Path, name: str) -> None:
