@@ -57,12 +57,11 @@ def run_main(main: Callable[[Sequence[str] | None], object], argv: Sequence[str]
 
 def job_exit_code(worker_codes: list[int]) -> int:
     """A launcher's exit code from its failed workers' codes (negative: ended by that signal): 75 when
-    workers stopped on a signal (those still exiting may have been ended by the launcher), 2 when every
-    worker met the same user error, else 1."""
-    if EXIT_STOPPED in worker_codes and all(c == EXIT_STOPPED or c < 0 for c in worker_codes):
-        return EXIT_STOPPED
-    if set(worker_codes) == {EXIT_USER_ERROR}:
-        return EXIT_USER_ERROR
+    the workers stopped on a signal, 2 when they met a user error (in both cases workers still exiting
+    after the first one may have been ended by the launcher), else 1."""
+    for code in (EXIT_STOPPED, EXIT_USER_ERROR):
+        if code in worker_codes and all(c == code or c < 0 for c in worker_codes):
+            return code
     return EXIT_FAILED
 
 

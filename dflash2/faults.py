@@ -62,18 +62,24 @@ class StopRequest:
     def _handle(self, signum: int, frame) -> None:
         now = time.monotonic()
         name = signal.Signals(signum).name
-        if _launcher_pid is not None and os.getppid() != _launcher_pid:
-            name += " (the launcher died)"
         if self.signal_name is None:
             self.signal_name, self._received_at = name, now
             _say(
-                f"{name}: stopping after this optimizer step with a checkpoint "
+                f"{self.describe()}: stopping after this optimizer step with a checkpoint "
                 f"(a signal more than {REPEAT_WINDOW_S:.0f} s later aborts at once)"
             )
         elif now - self._received_at >= REPEAT_WINDOW_S:
             _say(f"second signal ({name}): aborting without a checkpoint")
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
+
+    def describe(self) -> str:
+        """The signal that asked this rank to stop, and whether its launcher is gone (asked when
+        reported: the kernel may signal a launcher's death before the worker is reparented)."""
+        if self.signal_name is None:
+            return "no signal"
+        launcher_died = _launcher_pid is not None and os.getppid() != _launcher_pid
+        return self.signal_name + (" (the launcher died)" if launcher_died else "")
 
     def agreed(self, backend, requested: bool | None = None) -> bool:
         """Whether any rank of the backend's group was asked to stop (collective: every rank calls it

@@ -43,8 +43,8 @@ TRAINERS_DONE_KEY = "dflash2/trainers_done"
 
 def run(cfg: RunConfig) -> dict[str, float]:
     """Train with the topology the config names (every rank calls it); returns the last step's metrics
-    ({} on capture ranks). `stop_request.stopped` tells whether it ended early on a stop signal."""
-    stop_request.install()
+    ({} on capture ranks). `stop_request.stopped` tells whether it ended early on a stop signal
+    (launch/train.py installs the stop signals' handlers)."""
     if cfg.topology == "disaggregated":
         summary = run_disaggregated(cfg)
     else:

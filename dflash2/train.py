@@ -258,7 +258,7 @@ def fit(cfg: RunConfig, setup: Setup, stop_vote: Callable[[], bool] | None = Non
 def end_message(step: int, max_steps: int, checkpoint: Path | None) -> str:
     if not stop_request.stopped:
         return f"[dflash2] done: step {step}, checkpoint {checkpoint}"
-    asked = f"a {stop_request.signal_name}" if stop_request.signal_name else "a signal to another rank"
+    asked = f"a {stop_request.describe()}" if stop_request.signal_name else "a signal to another rank"
     return (
         f"[dflash2] stopped on {asked} after step {step} of {max_steps}: checkpoint {checkpoint}; "
         "run the same command again to resume"

@@ -44,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     cfg = load_run_config(args.config, args.overrides)
     check_run_paths(cfg)
+    stop_request.install()  # from here on SIGTERM/SIGINT/SIGUSR1 stop the run with a checkpoint
     run(cfg)
     return EXIT_STOPPED if stop_request.stopped else 0
 

@@ -125,7 +125,7 @@ def test_fsdp_launcher_death_frozen_rank_and_forwarded_usr1_lose_no_step(common,
     launcher.wait()
     took = wait_gone(workers, timeout=60)
     assert took < 30, f"the workers outlived their launcher by {took:.0f} s"
-    assert "SIGTERM (the launcher died)" in log.read_text()
+    assert "stopped on a SIGTERM (the launcher died) after step" in log.read_text()
     stopped = assert_stopped_without_loss(run_dir, at_least=1)
 
     log = tmp_path / "frozen.log"
@@ -275,7 +275,7 @@ stop_request.install()
 print(os.getpid(), flush=True)
 while stop_request.signal_name is None:
     time.sleep(0.05)
-print(stop_request.signal_name, flush=True)
+print(stop_request.describe(), flush=True)
 """
 
 
@@ -302,6 +302,7 @@ def test_launcher_exit_code_is_the_workers():
     assert job_exit_code([EXIT_STOPPED, EXIT_STOPPED]) == EXIT_STOPPED
     assert job_exit_code([EXIT_STOPPED, -signal.SIGTERM]) == EXIT_STOPPED  # ended while exiting
     assert job_exit_code([EXIT_USER_ERROR, EXIT_USER_ERROR]) == EXIT_USER_ERROR
+    assert job_exit_code([EXIT_USER_ERROR, -signal.SIGTERM]) == EXIT_USER_ERROR
     assert job_exit_code([EXIT_STOPPED, EXIT_FAILED]) == EXIT_FAILED
     assert job_exit_code([EXIT_USER_ERROR, EXIT_FAILED]) == EXIT_FAILED
     assert job_exit_code([-signal.SIGKILL]) == EXIT_FAILED
