@@ -64,8 +64,9 @@ def test_train_names_a_missing_relative_target_and_never_asks_the_hub(monkeypatc
             ["data.train='/nowhere/data.jsonl'"],
         ),
         (["--config", str(TINY_CONFIG), "train.resume=/nowhere"], ["train.resume='/nowhere'"]),
+        (["--config", str(TINY_CONFIG), "model.target=/nowhere/target"], ["model.target='/nowhere/target'"]),
     ],
-    ids=["config", "override", "unknown-key", "data", "resume"],
+    ids=["config", "override", "unknown-key", "data", "resume", "absolute-target"],
 )
 def test_train_config_errors(monkeypatch, capsys, tiny_default, arguments, fragments):
     overrides = [f"model.target={tiny_default.target_dir}", f"data.train={tiny_default.train_jsonl}"]

@@ -105,11 +105,13 @@ def assert_bitwise_equal(run_dir: Path, reference: Path) -> None:
 
 @pytest.mark.slow
 def test_fsdp_launcher_death_frozen_rank_and_forwarded_usr1_lose_no_step(common, launched, tmp_path):
-    """FSDP2, two ranks. (1) torchrun is killed with SIGKILL: its workers, in sessions of their own,
-    stop by themselves within seconds, with a checkpoint. (2) A rank is frozen (SIGSTOP): the job ends
-    within the collective timeout + 30 s with a message naming the rank and the operation; the steps
-    since the checkpoint are lost. (3) SIGUSR1 to launch/torchrun.py is forwarded: exit 75. (4) The
-    run then ends bitwise equal to an uninterrupted one, each step logged once."""
+    """FSDP2, two ranks. (1) torchrun alone gets SIGKILL or SIGUSR1 (which it does not handle) and
+    dies: its workers, in sessions of their own, stop by themselves within seconds, with a checkpoint.
+    (2) A rank is frozen (SIGSTOP): the job ends within the collective timeout + 30 s with a message
+    naming the rank and the operation; the steps since the checkpoint are lost. (3) SIGUSR1 reaches
+    launch/torchrun.py, which forwards it, and SIGTERM every worker at the same time (as srun signals
+    every process of a step): one request, exit 75. (4) The run then ends bitwise equal to an
+    uninterrupted one, each step logged once."""
     rng = random.Random()
     reference, run_dir = tmp_path / "reference", tmp_path / "run"
     args = [*common, "backend=fsdp", f"output_dir={run_dir}"]
@@ -121,10 +123,11 @@ def test_fsdp_launcher_death_frozen_rank_and_forwarded_usr1_lose_no_step(common,
     workers = children(launcher.pid)
     launched.track(workers)
     assert len(workers) == 2, workers
-    launcher.kill()
-    launcher.wait()
+    death = rng.choice([signal.SIGKILL, signal.SIGUSR1])
+    launcher.send_signal(death)
+    assert launcher.wait() == -death  # torchrun died of it
     took = wait_gone(workers, timeout=60)
-    assert took < 30, f"the workers outlived their launcher by {took:.0f} s"
+    assert took < 30, f"the workers outlived their launcher ({death.name}) by {took:.0f} s"
     assert "stopped on a SIGTERM (the launcher died) after step" in log.read_text()
     stopped = assert_stopped_without_loss(run_dir, at_least=1)
 
@@ -149,9 +152,13 @@ def test_fsdp_launcher_death_frozen_rank_and_forwarded_usr1_lose_no_step(common,
     log = tmp_path / "usr1.log"
     launcher = launched(wrapped(2, args), log)
     wait_for_step(log, stopped + rng.randint(1, 2), launcher)
-    launched.track(children(launcher.pid))
+    workers = children(launcher.pid)
+    launched.track(workers)
     launcher.send_signal(signal.SIGUSR1)
+    for worker in workers:
+        os.kill(worker, signal.SIGTERM)
     assert launcher.wait(timeout=TIMEOUT_S) == EXIT_STOPPED, log.read_text()[-4000:]
+    assert "aborting" not in log.read_text()  # the forwarded repeat was the same request
     assert_stopped_without_loss(run_dir, at_least=stopped + 1)
 
     check_ok(launch_train(2, args))
@@ -205,6 +212,7 @@ def test_one_process_stops_on_sigint_refuses_a_resume_early_and_resumes_from_any
     assert re.search(r"num_anchors: saved 8, new 9", refused.stderr)
     assert refused.stderr.count("error:") == 1 and "Traceback" not in refused.stderr
     assert "target parameters" not in refused.stdout  # refused before the target was loaded
+    assert "[dflash2] data" not in refused.stdout  # and before the data was tokenised
     assert (run_dir / "config.yaml").read_text() == config
 
     copy = tmp_path / "kept-for-later"
