@@ -146,12 +146,13 @@ def collective_section(what: str) -> Iterator[None]:
 
 
 def end_sibling_workers() -> None:
-    """SIGKILL the other workers of this process's launcher: after a collective failed the job cannot
-    go on, and a frozen worker would wait for the launcher's own SIGKILL (torchrun: 30 s later)."""
+    """SIGKILL the other workers of this job started by this process's launcher: after a collective
+    failed the job cannot go on, and a frozen worker would wait for the launcher's own SIGKILL
+    (torchrun: 30 s later). Only processes of the same job (same rendezvous address and world size)."""
     if _launcher_pid is None or os.getppid() != _launcher_pid:
         return
     for pid in _children_of(_launcher_pid):
-        if pid != os.getpid():
+        if pid != os.getpid() and _job_of(pid) == _job_of(os.getpid()):
             with suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
@@ -169,3 +170,15 @@ def _children_of(parent: int) -> list[int]:
         if int(stat.rsplit(")", 1)[1].split()[1]) == parent:  # fields after "(comm)": state, ppid, ...
             children.append(int(entry))
     return children
+
+
+def _job_of(pid: int) -> tuple[str, ...] | None:
+    """(MASTER_ADDR, MASTER_PORT, WORLD_SIZE) of a launched worker, None for any other process."""
+    try:
+        pairs = Path("/proc", str(pid), "environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    env = dict(pair.decode(errors="replace").split("=", 1) for pair in pairs if b"=" in pair)
+    if "RANK" not in env:
+        return None
+    return tuple(env.get(name, "") for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"))
