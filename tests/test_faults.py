@@ -29,6 +29,7 @@ from tests.run_helpers import (
     TIMEOUT_S,
     TINY_CONFIG,
     TRAIN,
+    alive,
     check_ok,
     children,
     launch_train,
@@ -304,6 +305,29 @@ def test_a_worker_is_told_to_stop_when_its_launcher_dies(launched, tmp_path):
     launcher.wait()
     wait_gone([worker], timeout=10)
     assert out.read_text().splitlines()[1] == "SIGTERM (the launcher died)"
+
+
+def test_a_failed_collective_ends_the_workers_of_its_job_and_nothing_else(launched, tmp_path):
+    """A worker whose collective failed SIGKILLs its sibling workers (a frozen one would ignore
+    SIGTERM), but not another child of the same parent that is no worker of the job."""
+    sleeper = "import time; time.sleep(60)"
+    ender = "from dflash2.faults import end_sibling_workers, exit_with_launcher; exit_with_launcher(); end_sibling_workers()"
+    job = "RANK={rank} WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29999"
+    py = f"'{sys.executable}'"
+    script = (
+        f"{py} -c '{sleeper}' & echo $! > {tmp_path}/other; "  # not a worker: no RANK
+        f"{job.format(rank=1)} {py} -c '{sleeper}' & echo $! > {tmp_path}/sibling; "
+        f"sleep 1; {job.format(rank=0)} {py} -c '{ender}'; wait"
+    )
+    launched(["bash", "-c", script], tmp_path / "log")
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / name).exists() for name in ("other", "sibling")):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    other, sibling = (int((tmp_path / name).read_text()) for name in ("other", "sibling"))
+    launched.track([other, sibling])
+    wait_gone([sibling], timeout=30)
+    assert alive(other)
 
 
 def test_launcher_exit_code_is_the_workers():
