@@ -84,7 +84,7 @@ class StopRequest:
     def agreed(self, backend, requested: bool | None = None) -> bool:
         """Whether any rank of the backend's group was asked to stop (collective: every rank calls it
         at the same point of every step). `requested`: this rank's vote (default: a signal arrived)."""
-        import torch
+        import torch  # here: launch/train.py imports this module first thing, before anything heavy
 
         vote = self.signal_name is not None if requested is None else requested
         flag = torch.tensor([1.0 if vote else 0.0], device=backend.device)
@@ -103,10 +103,10 @@ def exit_with_launcher() -> None:
         return
     _launcher_pid = os.getppid()
     libc = ctypes.CDLL(None, use_errno=True)
+    # (a launcher that died before this call goes unnoticed; its parent id cannot tell, since a
+    # launcher may itself be process 1 in a container)
     if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
-    if os.getppid() == 1:  # the launcher died before the request was in place
-        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def collective_timeout() -> timedelta:
