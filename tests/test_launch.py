@@ -164,8 +164,8 @@ def test_sbatch_passes_usr1_on_and_requeues_when_the_run_stopped(tmp_path):
 
 def test_sbatch_requeues_on_the_exit_code_alone_and_never_after_a_failure(tmp_path):
     # stopped by a signal that did not come through the batch shell (scancel, preemption): requeued
-    (tmp_path / "a").mkdir()
-    (tmp_path / "b").mkdir()
+    for name in ("a", "b", "c"):
+        (tmp_path / name).mkdir()
     stopped, _, scontrol_log = start_sbatch(tmp_path / "a", [], alone=f"exit {EXIT_STOPPED}")
     assert stopped.communicate(timeout=60) and stopped.returncode == 0
     assert "requeue 77" in scontrol_log.read_text().splitlines()
@@ -176,6 +176,13 @@ def test_sbatch_requeues_on_the_exit_code_alone_and_never_after_a_failure(tmp_pa
     output, _ = failed.communicate(timeout=30)
     assert failed.returncode == 1, output
     assert not any(line.startswith("requeue") for line in scontrol_log.read_text().splitlines())
+    # after USR1, a step ended by a signal (srun killing the tasks of other nodes still exiting once
+    # the first exited with 75) was stopped too: requeued
+    killed, srun_log, scontrol_log = start_sbatch(tmp_path / "c", [], on_usr1=128 + signal.SIGKILL)
+    wait_for_srun(killed, srun_log)
+    killed.send_signal(signal.SIGUSR1)
+    assert killed.communicate(timeout=30) and killed.returncode == 0
+    assert "requeue 77" in scontrol_log.read_text().splitlines()
 
 
 def test_sbatch_refuses_a_config_that_cannot_resume(tmp_path):

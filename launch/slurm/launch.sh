@@ -11,7 +11,9 @@
 #      step (srun forwards it to every process of the step); the workers finish their optimizer step,
 #      write a checkpoint and exit with 75, and the launcher too;
 #   4. requeues the job with `scontrol requeue` when the step exits with 75 (stopped on a signal, from
-#      SLURM or anyone else): the requeued job resumes at the step it stopped at, losing nothing.
+#      SLURM or anyone else): the requeued job resumes at the step it stopped at, losing nothing. After
+#      passing USR1 on it also requeues a step that ended by a signal: with several nodes, srun
+#      (--kill-on-bad-exit) may kill the tasks still exiting once the first one has exited with 75.
 #      #SBATCH --requeue also requeues after a node failure (back to the latest checkpoint then).
 
 _DFLASH2_EXIT_STOPPED=75  # dflash2.errors.EXIT_STOPPED
@@ -19,6 +21,7 @@ _DFLASH2_EXIT_STOPPED=75  # dflash2.errors.EXIT_STOPPED
 _dflash2_on_usr1() {
   echo "[dflash2] job ${SLURM_JOB_ID} near its time limit: the run checkpoints and stops"
   _dflash2_signaled=1
+  _dflash2_passed_on=1
   kill -USR1 "$_dflash2_step" 2>/dev/null || true
 }
 
@@ -67,6 +70,7 @@ dflash2_slurm_run() {
     bash -c 'source launch/slurm/slurm_env.sh && exec launch/multinode_torchrun.sh "$@"' dflash2 \
     --config "$config" "$@" &
   _dflash2_step=$!
+  _dflash2_passed_on=
   local status
   while true; do
     _dflash2_signaled=
@@ -74,7 +78,7 @@ dflash2_slurm_run() {
     wait "$_dflash2_step" || status=$?
     [[ -z $_dflash2_signaled ]] && break  # else the trap ended the wait early: wait for the step itself
   done
-  if [[ $status == "$_DFLASH2_EXIT_STOPPED" ]]; then
+  if [[ $status == "$_DFLASH2_EXIT_STOPPED" || (-n $_dflash2_passed_on && $status -gt 128) ]]; then
     echo "[dflash2] job ${SLURM_JOB_ID}: the run stopped with a checkpoint; requeueing, it resumes there"
     scontrol requeue "${SLURM_JOB_ID}" || echo "[dflash2] scontrol requeue failed; resubmit the job" >&2
     return 0
