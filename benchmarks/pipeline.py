@@ -183,7 +183,7 @@ def fit_pass(cfg: RunConfig, setup: Setup, out_dir: Path, num_steps: int, breakd
     timer = StepTimer(setup.backend.device, breakdown=breakdown, keep_history=True)
     hooks = timer.time_module(setup.draft, "draft_forward") if breakdown else []
     out_dir.mkdir(parents=True, exist_ok=True)
-    fit(pass_config(cfg, out_dir, num_steps), setup, timer)
+    fit(pass_config(cfg, out_dir, num_steps), setup, timer=timer)
     for hook in hooks:
         hook.remove()
     return timer.history

@@ -4,22 +4,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from dflash2.data.tiny_default import build_tiny_default
+from dflash2.errors import add_debug_flag, run_main
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default="artifacts/tiny", help="output directory (default: artifacts/tiny)")
     parser.add_argument("--force", action="store_true", help="rebuild even when the stamp matches")
-    args = parser.parse_args()
+    add_debug_flag(parser)
+    args = parser.parse_args(argv)
     tiny = build_tiny_default(args.out, force=args.force)
     info = json.loads((tiny.root / "build_info.json").read_text())
     print(f"tiny default at {tiny.root}")
     print(f"  target: {tiny.target_dir}\n  train: {tiny.train_jsonl}\n  heldout: {tiny.heldout_jsonl}")
     print(f"  final train loss {info['final_train_loss']}, built in {info['build_seconds']} s")
     print(f"  sample prompt: {info['sample_prompt']!r}\n  greedy reply: {info['sample_greedy']!r}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

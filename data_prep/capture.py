@@ -16,7 +16,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from dflash2.config import load_run_config  # noqa: E402
+from dflash2.faults import exit_with_launcher  # noqa: E402  (light: stdlib only)
+
+exit_with_launcher()  # first: a worker whose launcher dies while the heavy imports below run still ends
+
+from dflash2.config import check_run_paths, load_run_config  # noqa: E402
+from dflash2.errors import add_debug_flag, run_main  # noqa: E402
 from dflash2.run import run_offline_capture  # noqa: E402
 
 
@@ -36,9 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--shard-mb", type=int, default=2048, help="start a new shard after this many MiB")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    add_debug_flag(parser)
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides of the run config")
     args = parser.parse_args(argv)
     cfg = load_run_config(args.config, args.overrides)
+    check_run_paths(cfg)
     batch_size = args.batch_size or cfg.train.micro_batch_size
     if batch_size < 1 or args.shard_mb < 1:
         raise ValueError(f"--batch-size ({batch_size}) and --shard-mb ({args.shard_mb}) must be >= 1")
@@ -47,4 +54,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -5,13 +5,19 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
+from pathlib import Path
 
-from transformers import AutoTokenizer
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from dflash2.data.prepare import prepare_dataset, save_prepared
+from transformers import AutoTokenizer  # noqa: E402
+
+from dflash2.config import require_path  # noqa: E402
+from dflash2.data.prepare import describe, prepare_dataset, save_prepared  # noqa: E402
+from dflash2.errors import add_debug_flag, run_main  # noqa: E402
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--input", required=True, help="training_jsonl file")
     parser.add_argument(
@@ -27,6 +33,12 @@ def main() -> None:
         "--on-error", choices=("skip", "fail"), default="skip", help="malformed lines: skip or stop"
     )
     parser.add_argument(
+        "--duplicates",
+        choices=("keep", "drop"),
+        default="keep",
+        help="conversations equal to an earlier one: keep (default) or drop; reported either way",
+    )
+    parser.add_argument(
         "--chat-template-kwargs",
         type=json.loads,
         default=None,
@@ -35,8 +47,11 @@ def main() -> None:
     parser.add_argument(
         "--end-of-turn", default=None, help="end-of-turn marker of replies (default: eos token)"
     )
-    args = parser.parse_args()
+    add_debug_flag(parser)
+    args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    require_path(args.input, "--input", "file", "a training_jsonl file")
+    require_path(args.tokenizer, "--tokenizer", "dir", "the target's local model directory")
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     dataset, summary = prepare_dataset(
@@ -46,14 +61,12 @@ def main() -> None:
         on_error=args.on_error,
         chat_template_kwargs=args.chat_template_kwargs,
         end_of_turn=args.end_of_turn,
+        duplicates=args.duplicates,
     )
     save_prepared(dataset, summary, args.out)
-    print(
-        f"kept {summary['num_kept']} of {summary['num_lines']} samples, dropped {summary['num_dropped']} "
-        f"{summary['dropped_by_reason']}, truncated {summary['num_truncated']}; "
-        f"{summary['num_supervised_tokens']} supervised of {summary['num_tokens']} tokens -> {args.out}"
-    )
+    print(f"{describe(summary)} -> {args.out}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

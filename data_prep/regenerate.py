@@ -10,11 +10,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import sys
 
+from dflash2.config import require_path
 from dflash2.data.regenerate import LocalTargetGenerator, ServerGenerator, regenerate_file
+from dflash2.errors import add_debug_flag, run_main
 
 
-def _parse_args() -> argparse.Namespace:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -39,9 +42,13 @@ def _parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--dtype", default="auto", help="local target dtype: auto, bfloat16 or float32")
     parser.add_argument("--on-error", choices=("skip", "fail"), default="skip", help="malformed input lines")
-    args = parser.parse_args()
+    add_debug_flag(parser)
+    args = parser.parse_args(argv)
     if args.server_url and not args.model:
         parser.error("--model is required with --server-url (the name the server serves)")
+    require_path(args.input, "--input", "file", "a training_jsonl file")
+    if args.target:
+        require_path(args.target, "--target", "dir", "the target's local model directory")
     return args
 
 
@@ -56,8 +63,8 @@ def _local_generator(args: argparse.Namespace) -> LocalTargetGenerator:
     return LocalTargetGenerator(model, tokenizer, args.max_new_tokens, args.chat_template_kwargs)
 
 
-def main() -> None:
-    args = _parse_args()
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     if args.server_url:
         generator = ServerGenerator(
@@ -73,7 +80,8 @@ def main() -> None:
         args.input, args.out, generator, batch_size=args.batch_size, on_error=args.on_error
     )
     print(json.dumps(counts))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

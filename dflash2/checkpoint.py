@@ -6,8 +6,10 @@ Layout of `run_dir/checkpoints/step_XXXXXXXX/`:
   train_state.json, rng_rank{r}.safetensors + rng_rank{r}.json, backend/ (each rank's shard of draft,
   optimizer and scheduler state, readable by any number of ranks), COMPLETE (written last).
 A checkpoint is written into `.tmp-step_XXXXXXXX` and renamed when complete, so a crash mid-save
-never touches the previous checkpoint and a half-written directory is never picked.
-Everything loads from safetensors and JSON: no pickles.
+never touches the previous checkpoint and a half-written directory is never picked. Durable: every file
+and directory of it is fsynced before COMPLETE is written, and COMPLETE before `latest` moves; a
+checkpoint is deleted COMPLETE first. A failed write (a full disk, ...) removes what it wrote and
+leaves `latest` as it was. Everything loads from safetensors and JSON: no pickles.
 """
 
 from __future__ import annotations
@@ -15,23 +17,29 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from dflash2.distributed.base import Backend
 from dflash2.distributed.state_io import check_backend_meta
+from dflash2.errors import ReportedError
 from dflash2.models.config import load_config_dict
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 COMPLETE = "COMPLETE"
 STEP_PREFIX = "step_"
+STEP_DIR = re.compile(r"step_(\d+)")
 TMP_PREFIX = ".tmp-"
 DRAFT_WEIGHTS = "draft.safetensors"
 DRAFT_CONFIG = "draft_config.json"
@@ -53,6 +61,10 @@ def step_dir_name(step: int) -> str:
     return f"{STEP_PREFIX}{step:08d}"
 
 
+class CheckpointWriteError(ReportedError):
+    """A checkpoint could not be written (a full disk, a lost mount, ...); nothing of it is left."""
+
+
 def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
 
@@ -62,6 +74,33 @@ def _fsync_write(path: Path, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's data, or a directory's entries, to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(root: Path) -> None:
+    """fsync every file under `root`, then every directory, deepest first (root last)."""
+    for directory, _, files in os.walk(root, topdown=False):
+        for name in files:
+            _fsync(Path(directory) / name)
+        _fsync(Path(directory))
+
+
+def _remove_checkpoint(path: Path) -> None:
+    """Delete a checkpoint directory COMPLETE first (made durable before the rest goes), so that a
+    crash during the deletion never leaves a marked but partial checkpoint."""
+    marker = path / COMPLETE
+    if marker.exists():
+        marker.unlink()
+        _fsync(path)
+    shutil.rmtree(path)
 
 
 # ---- contract ----------------------------------------------------------------------------------------
@@ -165,55 +204,89 @@ def save_checkpoint(
     final = root / step_dir_name(step)
     tmp = root / f"{TMP_PREFIX}{step_dir_name(step)}"
     if backend.is_main:
-        if tmp.exists():  # left by a crash during an earlier save of this step
-            shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
+        with _cleanup_on_write_error(backend, root, final, tmp):
+            if tmp.exists():  # left by a crash during an earlier save of this step
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
     backend.barrier()
 
     draft_state = backend.full_draft_state_dict()
-    if backend.is_main:
-        save_file({name: t.contiguous() for name, t in draft_state.items()}, str(tmp / DRAFT_WEIGHTS))
-        _write_json(tmp / DRAFT_CONFIG, draft_config)
-        _write_json(tmp / CONTRACT, contract)
-        _write_json(tmp / TRAIN_STATE, {**train_state, "step": step})
-    _save_rng(tmp / f"rng_rank{backend.rank:05d}", generators or {})
-    backend.save_state(tmp / BACKEND)
+    with _cleanup_on_write_error(backend, root, final, tmp):
+        if backend.is_main:
+            save_file({name: t.contiguous() for name, t in draft_state.items()}, str(tmp / DRAFT_WEIGHTS))
+            _write_json(tmp / DRAFT_CONFIG, draft_config)
+            _write_json(tmp / CONTRACT, contract)
+            _write_json(tmp / TRAIN_STATE, {**train_state, "step": step})
+        _save_rng(tmp / f"rng_rank{backend.rank:05d}", generators or {})
+        backend.save_state(tmp / BACKEND)
+    backend.barrier()
+    # Every file and directory on disk before COMPLETE says they are. Every rank flushes, so that the
+    # files a rank wrote on its own node reach the disk of a shared file system too.
+    with _cleanup_on_write_error(backend, root, final, tmp):
+        _fsync_tree(tmp)
     backend.barrier()
 
     if backend.is_main:
-        _fsync_write(tmp / COMPLETE, json.dumps({"step": step, "world_size": backend.world_size}))
-        if final.exists():  # the same step saved again (e.g. after a resume): replace it
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _write_latest(root, final.name)
+        with _cleanup_on_write_error(backend, root, final, tmp):
+            _fsync_write(tmp / COMPLETE, json.dumps({"step": step, "world_size": backend.world_size}))
+            _fsync(tmp)
+            if final.exists():  # the same step saved again (e.g. after a resume): replace it
+                _remove_checkpoint(final)
+            os.rename(tmp, final)
+        with _cleanup_on_write_error(backend, root, final, final):
+            _fsync(root)
+            _write_latest(root, final.name)
         _rotate(root, keep_last, keep=final.name)
     backend.barrier()
     return final
+
+
+@contextmanager
+def _cleanup_on_write_error(backend: Backend, root: Path, final: Path, partial: Path) -> Iterator[None]:
+    """Turn a failed write into CheckpointWriteError (path, free space, what is left) after removing
+    `partial`, the directory being written; `latest` never moves before the last write succeeded."""
+    try:
+        yield
+    except (OSError, SafetensorError) as error:
+        free = _free_space(root)  # when the write failed, before the partial checkpoint goes
+        if (partial / COMPLETE).is_file():
+            _remove_checkpoint(partial)
+        shutil.rmtree(partial, ignore_errors=True)
+        latest = find_latest(root.parent)
+        raise CheckpointWriteError(
+            f"rank {backend.rank}: writing checkpoint {final} failed: {error}. {free} free on its file "
+            f"system. The partial checkpoint was removed; the latest checkpoint is still {latest or 'none'}. "
+            "Free some space (or set output_dir on a larger file system) and resume."
+        ) from error
+
+
+def _free_space(path: Path) -> str:
+    while not path.exists() and path != path.parent:  # the checkpoints directory may not exist yet
+        path = path.parent
+    free = shutil.disk_usage(path).free
+    return f"{free / 2**30:.1f} GiB" if free >= 2**30 else f"{free / 2**20:.1f} MiB"
 
 
 def _write_latest(root: Path, name: str) -> None:
     tmp = root / f"{TMP_PREFIX}{LATEST}"
     _fsync_write(tmp, name + "\n")
     os.replace(tmp, root / LATEST)
+    _fsync(root)
 
 
 def _complete_step_dirs(root: Path) -> list[Path]:
     """Complete checkpoint dirs, oldest first."""
     if not root.is_dir():
         return []
-    dirs = [
-        p
-        for p in root.iterdir()
-        if p.is_dir() and p.name.startswith(STEP_PREFIX) and (p / COMPLETE).is_file()
-    ]
-    return sorted(dirs, key=lambda p: int(p.name[len(STEP_PREFIX) :]))
+    dirs = [p for p in root.iterdir() if STEP_DIR.fullmatch(p.name) and (p / COMPLETE).is_file()]
+    return sorted(dirs, key=lambda p: int(STEP_DIR.fullmatch(p.name)[1]))
 
 
 def _rotate(root: Path, keep_last: int, keep: str) -> None:
     complete = _complete_step_dirs(root)
     for old in complete[: max(0, len(complete) - keep_last)]:
         if old.name != keep:
-            shutil.rmtree(old)
+            _remove_checkpoint(old)
 
 
 # ---- find / load -------------------------------------------------------------------------------------
@@ -247,10 +320,8 @@ def load_checkpoint(
     per-sample generators) are then left as they were at start-up.
     """
     ckpt_dir = Path(ckpt_dir)
-    if not (ckpt_dir / COMPLETE).is_file():
-        raise ValueError(f"{ckpt_dir} is not a complete checkpoint (no {COMPLETE} marker); use find_latest()")
+    check_resume(ckpt_dir, contract)
     num_saved_ranks = check_backend_meta(ckpt_dir / BACKEND, backend.name)
-    validate_contract(json.loads((ckpt_dir / CONTRACT).read_text()), contract)
     backend.load_state(ckpt_dir / BACKEND, num_saved_ranks)
     if num_saved_ranks == backend.world_size:
         _load_rng(ckpt_dir / f"rng_rank{backend.rank:05d}", generators or {})
@@ -268,9 +339,20 @@ def load_checkpoint(
     return json.loads((ckpt_dir / TRAIN_STATE).read_text())
 
 
+def check_resume(ckpt_dir: Path, contract: dict) -> None:
+    """Refuse to resume from anything but a complete checkpoint written under the same contract
+    (no collective, nothing loaded: call it before the target loads)."""
+    if not (Path(ckpt_dir) / COMPLETE).is_file():
+        raise ValueError(
+            f"{ckpt_dir} is not a complete checkpoint (no {COMPLETE} marker); resume from a checkpoint "
+            f"directory that has one, e.g. <output_dir>/{CHECKPOINTS}/{step_dir_name(100)}"
+        )
+    validate_contract(json.loads((Path(ckpt_dir) / CONTRACT).read_text()), contract)
+
+
 def resume_point(resume: str, run_dir: Path) -> Path | None:
     """The checkpoint a run resumes from: `train.resume` is auto (the latest in run_dir, if any),
-    none, or a checkpoint directory."""
+    none, or any checkpoint directory (its step is read from its train state, never from its name)."""
     if resume == "none":
         return None
     if resume == "auto":

@@ -3,6 +3,7 @@ group starts. Unknown keys are errors. The resolved config is saved in the run d
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -32,6 +33,7 @@ class DataConfig(_Section):
     train: str  # training_jsonl file, or a dataset directory written by data_prep/prepare.py
     max_length: int = Field(2048, ge=8)
     on_error: Literal["skip", "fail"] = "fail"
+    duplicates: Literal["keep", "drop"] = "keep"  # conversations equal to an earlier one (reported)
     features_dir: str | None = None  # offline capture (data_prep/capture.py): train from saved features
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
 
@@ -157,8 +159,12 @@ def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunCo
     """Read the YAML, apply overrides, validate. Every problem is reported with its dotted key."""
     tree: dict = {}
     if path is not None:
-        with open(path) as f:
-            tree = yaml.safe_load(f) or {}
+        require_path(path, "config", "file", "the run config YAML")
+        try:
+            with open(path) as f:
+                tree = yaml.safe_load(f) or {}
+        except yaml.YAMLError as error:
+            raise ValueError(f"{path}: not valid YAML ({error})") from None
         if not isinstance(tree, dict):
             raise ValueError(f"{path}: the run config must be a YAML mapping")
     for item in overrides:
@@ -169,6 +175,50 @@ def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunCo
         lines = [f"  {'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in err.errors()]
         source = path or "overrides"
         raise ValueError(f"invalid run config ({source}):\n" + "\n".join(lines)) from None
+
+
+def require_path(path: str | Path, name: str, kind: str, what: str) -> Path:
+    """`path` as a Path when it exists as a `kind` ("file" or "dir"); else a ValueError naming the
+    option, the path (and the directory a relative path is taken from) and what it should be. Local
+    paths are checked before anything loads: a missing model directory is never taken for a hub id."""
+    found = Path(path)
+    if found.is_file() if kind == "file" else found.is_dir():
+        return found
+    where = "" if found.is_absolute() else f" (relative to {os.getcwd()})"
+    state = f"is not a {'file' if kind == 'file' else 'directory'}" if found.exists() else "does not exist"
+    raise ValueError(f"{name}={str(path)!r}{where} {state}: give {what}")
+
+
+def check_model_paths(cfg: RunConfig) -> None:
+    """model.target and model.draft_config, checked before anything loads."""
+    model = "the local directory of a Hugging Face causal LM (config.json, safetensors, tokenizer)"
+    if not (require_path(cfg.model.target, "model.target", "dir", model) / "config.json").is_file():
+        raise ValueError(f"model.target={cfg.model.target!r} has no config.json: give {model}")
+    require_path(cfg.model.draft_config, "model.draft_config", "file", "the draft's config.json")
+
+
+def check_run_paths(cfg: RunConfig) -> None:
+    """Every local path a run reads, checked before anything loads (run from the directory the
+    config's relative paths start from, usually the repository root)."""
+    check_model_paths(cfg)
+    train = Path(cfg.data.train)
+    if train.is_dir() and not (train / "dataset_info.json").is_file():
+        raise ValueError(
+            f"data.train={cfg.data.train!r} is a directory but not a prepared dataset (no "
+            "dataset_info.json): give a training_jsonl file or a directory made by data_prep/prepare.py"
+        )
+    if not train.is_dir():
+        require_path(train, "data.train", "file", "a training_jsonl file or a prepared dataset directory")
+        if train.stat().st_size == 0:
+            raise ValueError(f"data.train={cfg.data.train!r} is empty: give a file with conversations")
+    if cfg.data.features_dir:
+        require_path(cfg.data.features_dir, "data.features_dir", "dir", "a directory made by capture.py")
+    if cfg.backend == "deepspeed":
+        require_path(cfg.ds_config, "ds_config", "file", "a DeepSpeed JSON (e.g. ds_configs/zero3.json)")
+    if cfg.train.resume not in ("auto", "none"):
+        require_path(cfg.train.resume, "train.resume", "dir", "a checkpoint directory, auto or none")
+    if Path(cfg.output_dir).exists() and not Path(cfg.output_dir).is_dir():
+        raise ValueError(f"output_dir={cfg.output_dir!r} is a file: give a directory for the run")
 
 
 def save_run_config(cfg: RunConfig, path: str | Path) -> None:

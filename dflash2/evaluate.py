@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -36,8 +37,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dflash2.config import require_path
 from dflash2.data.jsonl import SampleError, iter_lines, parse_sample, prompt_turns
 from dflash2.data.render import encode_prompt, stop_token_ids
+from dflash2.errors import add_debug_flag, run_main
 from dflash2.export import TRAINING_RUN_NAME, read_training_run
 from dflash2.models import TargetHead, load_draft
 from dflash2.models.context_cache import DraftContextCache
@@ -496,7 +499,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
         help="JSON for the prompt's chat template, e.g. '{\"enable_thinking\": false}' (match the server; "
         "default: what the training run used, from the export's training_run.json)",
     )
+    add_debug_flag(parser)
     args = parser.parse_args(argv)
+    require_path(args.draft, "--draft", "dir", "an export directory (config.json + model.safetensors)")
+    require_path(args.target, "--target", "dir", "the target's local model directory")
+    require_path(args.data, "--data", "file", "a training_jsonl file")
     summary = evaluate(
         args.draft,
         args.target,
@@ -518,4 +525,4 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(run_main(main))

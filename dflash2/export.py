@@ -26,7 +26,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from dflash2.checkpoint import DRAFT_CONFIG, DRAFT_WEIGHTS, holds_draft, read_draft, read_train_state
-from dflash2.config import torch_dtype
+from dflash2.config import require_path, torch_dtype
+from dflash2.errors import add_debug_flag, run_main
 from dflash2.hf_weights import SINGLE_FILE, tensor_files
 from dflash2.models.config import (
     REQUIRED_BACKBONE_KEYS,
@@ -330,11 +331,20 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument("--tokenizer", metavar="DIR", help="tokenizer dir, to check the mask token")
     parser.add_argument("--target", metavar="DIR", help="target model dir (config.json), to check sizes")
+    add_debug_flag(parser)
     args = parser.parse_args(argv)
     if args.check is None and (args.source is None or args.out_dir is None):
         parser.error("give <source> <out_dir> to export, or --check <dir>")
     if args.check is not None and args.source is not None:
         parser.error("--check takes only the directory to check")
+    for name, value, what in (
+        ("source", args.source, "a training checkpoint directory or a model directory"),
+        ("--check", args.check, "an export directory"),
+        ("--tokenizer", args.tokenizer, "the target's local model directory"),
+        ("--target", args.target, "the target's local model directory"),
+    ):
+        if value is not None:
+            require_path(value, name, "dir", what)
     return args
 
 
@@ -373,4 +383,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -25,6 +25,7 @@ from torch import nn
 
 from dflash2.capture.transfer import PREFETCH_DEPTH
 from dflash2.config import RunConfig, load_run_config
+from dflash2.errors import add_debug_flag, run_main
 from dflash2.models import build_draft
 from dflash2.models.attention import context_key_span
 
@@ -474,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--target-config", default=None, help="target config.json or directory (default: model.target)"
     )
+    add_debug_flag(parser)
     args = parser.parse_intermixed_args(argv)  # overrides may follow the options
     cfg = load_run_config(args.config, args.overrides)
     target_config = load_target_config(args.target_config or cfg.model.target)
@@ -483,4 +485,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

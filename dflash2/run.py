@@ -9,16 +9,15 @@
 
 Entry points: `run` (launch/train.py) and `run_offline_capture` (data_prep/capture.py).
 
-Failure: torchrun tears down every worker when one fails; without it, the process groups of the
-disaggregated topology time out after DFLASH2_DIST_TIMEOUT_S seconds (default 1800), so a dead peer
-stops the job, never hangs it.
+Faults (dflash2.faults): a stop signal ends every rank after the same step with a checkpoint, in
+either topology (capture ranks stop when the trainers have); every process group waits at most
+DFLASH2_DIST_TIMEOUT_S seconds for a peer, so a dead or frozen rank stops the job, never hangs it.
 """
 
 from __future__ import annotations
 
-import os
+import threading
 import time
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -34,15 +33,18 @@ from dflash2.data.loader import micro_batches, pad_token_id_of
 from dflash2.data.prepare import build_dataset
 from dflash2.distributed import Backend, build_backend, init_distributed, role_scope, shutdown_distributed
 from dflash2.distributed.base import local_parameter_numel
+from dflash2.faults import collective_section, collective_timeout, stop_request
 from dflash2.train import build_setup, fit
 
-TIMEOUT_ENV = "DFLASH2_DIST_TIMEOUT_S"
-DEFAULT_TIMEOUT_S = 1800
+# Keys in the job's rendezvous store (disaggregated): a rank was asked to stop / the trainers are done.
+STOP_KEY = "dflash2/stop_requested"
+TRAINERS_DONE_KEY = "dflash2/trainers_done"
 
 
 def run(cfg: RunConfig) -> dict[str, float]:
     """Train with the topology the config names (every rank calls it); returns the last step's metrics
-    ({} on capture ranks)."""
+    ({} on capture ranks). `stop_request.stopped` tells whether it ended early on a stop signal
+    (launch/train.py installs the stop signals' handlers)."""
     if cfg.topology == "disaggregated":
         summary = run_disaggregated(cfg)
     else:
@@ -84,8 +86,10 @@ def run_colocated(cfg: RunConfig) -> dict[str, float]:
     init_distributed(cfg.backend)
     cfg = cfg.with_batch_layout(cfg.data_parallel_size(dist.get_world_size()))
     backend = run_backend(cfg)
-    save_resolved_config(cfg, backend)
-    return fit(cfg, build_setup(cfg, backend, features=offline_features(cfg)))
+    with collective_section("setup (loading the target and the draft)"):
+        setup = build_setup(cfg, backend, features=offline_features(cfg))
+    save_resolved_config(cfg, backend)  # only once the resume has been accepted
+    return fit(cfg, setup)
 
 
 def run_offline_capture(cfg: RunConfig, out_dir: str | Path, *, batch_size: int, shard_bytes: int) -> Path:
@@ -125,19 +129,12 @@ def check_capture_ranks(capture_ranks: int, world_size: int) -> None:
         )
 
 
-def _timeout() -> timedelta:
-    seconds = float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))
-    if seconds <= 0:
-        raise ValueError(f"{TIMEOUT_ENV}={seconds} must be > 0 (seconds)")
-    return timedelta(seconds=seconds)
-
-
 def run_disaggregated(cfg: RunConfig) -> dict[str, float]:
     """Every rank calls it; returns the trainers' last metrics ({} on capture ranks)."""
     init_distributed(cfg.backend)
     check_capture_ranks(cfg.capture_ranks, dist.get_world_size())
     cfg = cfg.with_batch_layout(cfg.data_parallel_size(dist.get_world_size()))
-    num_capture, world_size, timeout = cfg.capture_ranks, dist.get_world_size(), _timeout()
+    num_capture, world_size, timeout = cfg.capture_ranks, dist.get_world_size(), collective_timeout()
     # every rank creates every group, in the same order
     capture_group = dist.new_group(list(range(num_capture)), timeout=timeout)
     trainer_group = dist.new_group(list(range(num_capture, world_size)), timeout=timeout)
@@ -150,7 +147,8 @@ def run_disaggregated(cfg: RunConfig) -> dict[str, float]:
             summary = {}
         else:
             summary = run_trainer_rank(cfg, trainer_group, transfer_group)
-    dist.barrier(group=transfer_group)  # the job ends together (capture ranks may host the store)
+    with collective_section("the end of the run"):
+        dist.barrier(group=transfer_group)  # the job ends together (capture ranks may host the store)
     if dist.get_rank() == 0:
         print(f"[dflash2] disaggregated run done in {time.perf_counter() - t0:.1f} s", flush=True)
     return summary
@@ -190,24 +188,48 @@ def run_capture_rank(
         for t in mine
     }
     sender = FeatureSender(transfer_group, train.micro_batch_size, backend.device)
-    # what fit() consumes from the resumed step on
-    for _ in range((train.last_step - state.step) * train.grad_accum_steps):
-        for row in rounds:
-            trainer = row[backend.rank]
-            indices = next(streams[trainer])[2] if trainer is not None else []
-            features = capture_samples(backend, target, dataset, indices, layer_ids, pad_id)
-            if trainer is not None:
-                sender.send(num_capture + trainer, indices, features)
-    sender.close()
+    store = dist.distributed_c10d._get_default_store()  # the job's rendezvous store (no public getter)
+    threading.Thread(target=_relay_stop_request, args=(store,), name="stop-relay", daemon=True).start()
+    # what fit() consumes from the resumed step on, unless the trainers stop earlier
+    for number in range((train.last_step - state.step) * train.grad_accum_steps):
+        with collective_section(f"capture of micro-batch {number + 1}"):
+            if stop_request.agreed(backend, store.check([TRAINERS_DONE_KEY])):  # every capture rank agrees
+                stop_request.stopped = True
+                break
+            for row in rounds:
+                trainer = row[backend.rank]
+                indices = next(streams[trainer])[2] if trainer is not None else []
+                features = capture_samples(backend, target, dataset, indices, layer_ids, pad_id)
+                if trainer is not None:
+                    sender.send(num_capture + trainer, indices, features)
+    with collective_section("delivering the last features"):
+        sender.close()
+
+
+def _relay_stop_request(store: dist.Store) -> None:
+    """Tell the trainers, who decide when to stop, that this capture rank got a stop signal: as soon
+    as it comes, even while this rank waits for them (it may have sent everything long before)."""
+    while stop_request.signal_name is None:
+        time.sleep(0.1)
+    store.set(STOP_KEY, stop_request.signal_name)
 
 
 def run_trainer_rank(
     cfg: RunConfig, trainer_group: dist.ProcessGroup, transfer_group: dist.ProcessGroup
 ) -> dict[str, float]:
     backend = run_backend(cfg, trainer_group)
-    save_resolved_config(cfg, backend)
     source = backend.rank % cfg.capture_ranks  # trainer t is served by capture rank t % N
     receiver = FeatureReceiver(source, transfer_group, cfg.train.micro_batch_size, backend.device)
-    summary = fit(cfg, build_setup(cfg, backend, features=receiver))
-    receiver.thread.join()  # it ends on the capture rank's end marker
+    with collective_section("setup (loading the draft and the target's head)"):
+        setup = build_setup(cfg, backend, features=receiver)
+    save_resolved_config(cfg, backend)  # only once the resume has been accepted
+    store = dist.distributed_c10d._get_default_store()  # the job's rendezvous store (no public getter)
+    summary = fit(
+        cfg, setup, stop_vote=lambda: stop_request.signal_name is not None or store.check([STOP_KEY])
+    )
+    if backend.is_main:
+        store.set(TRAINERS_DONE_KEY, "1")  # the capture ranks stop sending
+    with collective_section("receiving the features sent past the last step"):
+        receiver.drain()  # up to the capture rank's end marker
+    receiver.thread.join()
     return summary

@@ -29,10 +29,11 @@ from pathlib import Path
 
 import torch
 
-from dflash2.config import RunConfig, load_run_config
+from dflash2.config import RunConfig, check_model_paths, load_run_config, require_path
 from dflash2.data.jsonl import SampleError, iter_lines, parse_sample, prompt_turns
 from dflash2.data.regenerate import LocalTargetGenerator, regenerate_conversations
 from dflash2.data.render import encode_prompt, render_with_loss_mask, stop_token_ids
+from dflash2.errors import add_debug_flag, run_main
 from dflash2.evaluate import speculative_generate, target_generate
 from dflash2.export import read_training_run
 from dflash2.models import TargetHead, load_draft
@@ -300,7 +301,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--out", help=f"result JSON (default <output_dir>/{GATE_DIR_NAME}/{RESULT_NAME})")
     parser.add_argument("overrides", nargs="*", help="dotted key=value run-config overrides")
+    add_debug_flag(parser)
     args = parser.parse_args(argv)
+    check_model_paths(load_run_config(args.config, args.overrides))
+    require_path(args.data, "--data", "file", "a training_jsonl file")
     result = run_gate(
         args.config,
         args.data,
@@ -322,4 +326,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -7,6 +7,7 @@ Every rank runs the same calls in the same order; rank 0 only guards file writes
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,13 +16,14 @@ from torch import nn
 
 from dflash2.capture.features import FeatureSource, target_features
 from dflash2.capture.head import load_target_head, target_num_parameters
-from dflash2.checkpoint import TrainState, load_checkpoint, resume_point, save_checkpoint
+from dflash2.checkpoint import TrainState, check_resume, load_checkpoint, resume_point, save_checkpoint
 from dflash2.config import RunConfig, torch_dtype
 from dflash2.data.loader import anchor_generators, collate, micro_batches, pad_token_id_of
 from dflash2.data.prepare import build_dataset
 from dflash2.distributed import Backend
 from dflash2.distributed.base import local_parameter_numel
 from dflash2.export import export_draft
+from dflash2.faults import collective_section, stop_request
 from dflash2.identity import data_identity, target_identity, tokenizer_identity
 from dflash2.models import TargetHead, build_draft
 from dflash2.models.config import draft_value, load_config_dict
@@ -116,9 +118,13 @@ def build_setup(cfg: RunConfig, backend: Backend, features: FeatureSource | None
     torch.manual_seed(cfg.seed)
     draft = build_draft(draft_config, target_config=target_config, tokenizer=tokenizer)
     layer_ids = list(draft.target_layer_ids)
+    normalized = draft.config.to_dict()
+    contract = build_contract(cfg, normalized, backend.draft_world_size)
+    ckpt = resume_point(cfg.train.resume, Path(cfg.output_dir))
+    if ckpt is not None:  # a refused resume stops here, before the target loads and the data is read
+        check_resume(ckpt, contract)
     target, head = build_target(cfg, backend, load_full=features is None)
     dataset = build_dataset(cfg.data, tokenizer, backend.is_main)
-    normalized = draft.config.to_dict()
     objective = ObjectiveConfig.for_draft(draft, **cfg.objective.model_dump())
     model = backend.setup_draft(draft, cfg.train, cfg.precision)
     pad_id = pad_token_id_of(tokenizer)
@@ -132,7 +138,7 @@ def build_setup(cfg: RunConfig, backend: Backend, features: FeatureSource | None
         dataset=dataset,
         pad_token_id=pad_id,
         objective=objective,
-        contract=build_contract(cfg, normalized, backend.draft_world_size),
+        contract=contract,
         tokenizer=tokenizer,
         features=features,
     )
@@ -188,20 +194,30 @@ def train_step(
 
 
 def save(setup: Setup, cfg: RunConfig, run_dir: Path, state: TrainState) -> Path:
-    return save_checkpoint(
-        setup.backend,
-        run_dir,
-        state.step,
-        draft_config=setup.draft_config,
-        contract=setup.contract,
-        train_state=vars(state),
-        keep_last=cfg.train.keep_last,
-    )
+    with collective_section(f"saving the checkpoint of step {state.step}"):
+        return save_checkpoint(
+            setup.backend,
+            run_dir,
+            state.step,
+            draft_config=setup.draft_config,
+            contract=setup.contract,
+            train_state=vars(state),
+            keep_last=cfg.train.keep_last,
+        )
 
 
-def fit(cfg: RunConfig, setup: Setup, timer: StepTimer | None = None) -> dict[str, float]:
-    """Train to cfg.train.last_step. `timer`: how steps are timed (default: each step and its capture,
-    dflash2.timing); benchmarks/pipeline.py passes one that times every region."""
+def fit(
+    cfg: RunConfig,
+    setup: Setup,
+    *,
+    timer: StepTimer | None = None,
+    stop_vote: Callable[[], bool] | None = None,
+) -> dict[str, float]:
+    """Train from the resume point to train.last_step, or until any rank is asked to stop (a stop
+    signal, dflash2.faults): then every rank ends after the same step and the run checkpoints there.
+    `timer`: how steps are timed (default: each step and its capture, dflash2.timing);
+    benchmarks/pipeline.py passes one that times every region. `stop_vote`: this rank's vote in the
+    stop decision (default: whether it received a stop signal)."""
     backend, run_dir = setup.backend, Path(cfg.output_dir)
     timer = timer or StepTimer(backend.device)
     state = TrainState()
@@ -230,7 +246,12 @@ def fit(cfg: RunConfig, setup: Setup, timer: StepTimer | None = None) -> dict[st
     )
     summary: dict[str, float] = {}
     last_step = cfg.train.last_step
+    saved, saved_step = ckpt, start_step
     while state.step < last_step:
+        with collective_section(f"the stop vote before step {state.step + 1}"):
+            if stop_request.agreed(backend, stop_vote() if stop_vote else None):
+                stop_request.stopped = True
+                break
         timer.start_step()
         micro, epochs = [], []
         for _ in range(cfg.train.grad_accum_steps):
@@ -238,29 +259,39 @@ def fit(cfg: RunConfig, setup: Setup, timer: StepTimer | None = None) -> dict[st
             micro.append(indices)
             epochs.append(epoch)
         state.epoch = epoch
-        sums, timing = train_step(setup, micro, epochs, cfg.seed, timer)
+        with collective_section(f"training step {state.step + 1}"):
+            sums, timing = train_step(setup, micro, epochs, cfg.seed, timer)
         state.step += 1
         summary = summarize_metrics(sums, cfg.objective.selector_loss_alpha)
         logger.log(state.step, summary, sums, timing, timer.step_seconds())
         if cfg.train.save_every and state.step % cfg.train.save_every == 0 and state.step < last_step:
-            save(setup, cfg, run_dir, state)
+            saved, saved_step = save(setup, cfg, run_dir, state), state.step
     timer.finish()
-    if ckpt is None or state.step > start_step:
-        final = save(setup, cfg, run_dir, state)
-    else:
-        final = ckpt
+    if state.step > saved_step:  # nothing new to save when a stop came before this launch's first step
+        saved = save(setup, cfg, run_dir, state)
     if cfg.train.export and state.step == cfg.train.max_steps:
         training_run = {"step": state.step, "chat_template_kwargs": dict(cfg.data.chat_template_kwargs)}
         export_final(setup, run_dir / "export", training_run)
     logger.close()
     if backend.is_main:
-        print(f"[dflash2] done: step {state.step}, checkpoint {final}")
+        print(end_message(state.step, cfg.train.max_steps, saved), flush=True)
     return summary
+
+
+def end_message(step: int, max_steps: int, checkpoint: Path | None) -> str:
+    if not stop_request.stopped:
+        return f"[dflash2] done: step {step}, checkpoint {checkpoint}"
+    asked = f"a {stop_request.describe()}" if stop_request.signal_name else "a signal to another rank"
+    return (
+        f"[dflash2] stopped on {asked} after step {step} of {max_steps}: checkpoint {checkpoint}; "
+        "run the same command again to resume"
+    )
 
 
 def export_final(setup: Setup, out_dir: Path, training_run: dict) -> None:
     """The final export, recording the step and chat template arguments that evaluation defaults to."""
-    state = setup.backend.full_draft_state_dict()  # collective
+    with collective_section("the export's gather of the draft"):
+        state = setup.backend.full_draft_state_dict()
     if setup.backend.is_main:
         export_draft(
             state, out_dir, config=setup.draft_config, tokenizer=setup.tokenizer, training_run=training_run

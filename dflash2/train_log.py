@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from tqdm import tqdm
@@ -19,8 +20,11 @@ class TrainLogger:
         from torch.utils.tensorboard import SummaryWriter
 
         self.tb_dir = run_dir / "tb"
+        # Both logs keep only the steps up to the one resumed from: the steps a crash cut short are
+        # trained again, and neither log doubles back.
+        trim_metrics(run_dir / "metrics.jsonl", start_step)
         self.jsonl = open(run_dir / "metrics.jsonl", "a")  # one line per step, for scripts and tests
-        self.writer = SummaryWriter(str(self.tb_dir), purge_step=start_step + 1 if start_step else None)
+        self.writer = SummaryWriter(str(self.tb_dir), purge_step=start_step + 1)
         if cfg.train.progress_bar:
             self.bar = tqdm(total=self.max_steps, initial=start_step, desc="train", dynamic_ncols=True)
 
@@ -68,3 +72,20 @@ class TrainLogger:
             self.jsonl.close()
         if self.bar is not None:
             self.bar.close()
+
+
+def trim_metrics(path: Path, last_step: int) -> None:
+    """Keep the lines of metrics.jsonl up to `last_step` (a torn last line goes too), atomically."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines(keepends=True):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # cut off by a crash while it was written
+            continue
+        if record["step"] <= last_step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)

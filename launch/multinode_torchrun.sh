@@ -5,9 +5,11 @@
 #   NNODES=2 NODE_RANK=0 MASTER_ADDR=node0 MASTER_PORT=29500 GPUS_PER_NODE=8 \
 #       launch/multinode_torchrun.sh --config configs/recipes/qwen3.6-27b-dflash2-8gpu-zero3.yaml [key=value ...]
 #
-# Arguments go to launch/train.py. Run from the repository root (paths in run configs are relative
-# to it). PYTHON selects the interpreter (default: the repository's .venv); RDZV_ID names the
-# rendezvous (default: SLURM_JOB_ID, else "dflash2"). Under SLURM, launch/slurm/*.sbatch set all of this.
+# Arguments go to launch/train.py. The agent is launch/torchrun.py: torchrun that also forwards SIGUSR1
+# to the workers, gives them time to checkpoint, and exits with their code (75: stopped on a signal).
+# Run from the repository root (paths in run configs are relative to it). PYTHON selects the
+# interpreter (default: the repository's .venv); RDZV_ID names the rendezvous (default: SLURM_JOB_ID,
+# else "dflash2"). Under SLURM, launch/slurm/*.sbatch set all of this.
 set -euo pipefail
 
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
@@ -19,7 +21,7 @@ python=${PYTHON:-$root/.venv/bin/python}
 : "${GPUS_PER_NODE:?set GPUS_PER_NODE (processes per node)}"
 [[ -x $python ]] || { echo "multinode_torchrun.sh: no python at $python; set PYTHON" >&2; exit 2; }
 
-exec "$python" -m torch.distributed.run \
+exec "$python" "$root/launch/torchrun.py" \
   --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$GPUS_PER_NODE" \
   --rdzv_backend c10d --rdzv_endpoint "$MASTER_ADDR:$MASTER_PORT" \
   --rdzv_id "${RDZV_ID:-${SLURM_JOB_ID:-dflash2}}" \

@@ -5,7 +5,9 @@
     deepspeed --num_gpus N launch/train.py --config ... backend=deepspeed
 
 Overrides are dotted keys of the run config (docs/configuration.md), e.g. output_dir=runs/x
-train.max_steps=100 backend=fsdp. The config is validated before any process group starts.
+train.max_steps=100 backend=fsdp. The config and every path in it are checked before any process
+group starts. SIGTERM, SIGINT or SIGUSR1 stop the run after the current step with a checkpoint.
+Exit codes: 0 done, 1 failed, 2 user error, 75 stopped on a signal (run the same command to resume).
 """
 
 from __future__ import annotations
@@ -17,7 +19,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from dflash2.config import load_run_config  # noqa: E402
+from dflash2.faults import exit_with_launcher  # noqa: E402  (light: stdlib only)
+
+exit_with_launcher()  # first: a worker whose launcher dies while the heavy imports below run still stops
+
+from dflash2.config import check_run_paths, load_run_config  # noqa: E402
+from dflash2.errors import EXIT_STOPPED, add_debug_flag, run_main  # noqa: E402
+from dflash2.faults import stop_request  # noqa: E402
 from dflash2.run import run  # noqa: E402
 
 
@@ -27,6 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--config", required=True, help="run config YAML")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    add_debug_flag(parser)
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     args = parser.parse_args(argv)
     # DeepSpeed 0.19 calls collectives that torch 2.13 deprecates, once per step: keep the log readable.
@@ -34,9 +43,11 @@ def main(argv: list[str] | None = None) -> int:
         "ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning
     )
     cfg = load_run_config(args.config, args.overrides)
+    check_run_paths(cfg)
+    stop_request.install()  # from here on SIGTERM/SIGINT/SIGUSR1 stop the run with a checkpoint
     run(cfg)
-    return 0
+    return EXIT_STOPPED if stop_request.stopped else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_main(main))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -21,3 +24,31 @@ def tiny_tokenizer(tiny_default: TinyDefault):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_default.target_dir)
+
+
+@pytest.fixture
+def launched():
+    """Start runs in sessions of their own; whatever is left of them (launcher, workers in their own
+    sessions, a frozen worker) is killed at the end of the test."""
+    processes: list[subprocess.Popen] = []
+    pids: set[int] = set()
+
+    def start(command: list[str], log: Path, extra_env: dict | None = None) -> subprocess.Popen:
+        env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        with open(log, "w") as out:
+            process = subprocess.Popen(
+                command, cwd=REPO_ROOT, env={**env, **(extra_env or {})}, stdout=out, stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )  # fmt: skip
+        processes.append(process)
+        return process
+
+    start.track = pids.update  # workers found later
+    yield start
+    for pid in pids | {p.pid for p in processes}:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for process in processes:
+        process.wait(timeout=30)

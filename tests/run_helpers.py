@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -62,3 +63,49 @@ def run_script_main(monkeypatch, script: str, arguments: list[str]) -> None:
     spec.loader.exec_module(module)
     monkeypatch.setattr(sys, "argv", [Path(script).name, *arguments])
     module.main()
+
+
+# ---- runs started in the background and signalled (the `launched` fixture starts them) -------------
+
+
+def children(pid: int) -> list[int]:
+    """The live children of `pid`, oldest first (torchrun starts local rank 0 first)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path("/proc", entry, "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.append(int(entry))
+    return sorted(found)
+
+
+def alive(pid: int) -> bool:
+    try:
+        return Path("/proc", str(pid), "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float) -> float:
+    start = time.monotonic()
+    while any(alive(pid) for pid in pids):
+        assert time.monotonic() - start < timeout, f"processes {pids} still alive after {timeout:.0f} s"
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+def wait_for_line(log: Path, text: str, process: subprocess.Popen) -> None:
+    """Until `text` is in the log of a running launch."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while text not in log.read_text():
+        assert process.poll() is None, f"the run ended before {text!r}:\n{log.read_text()[-4000:]}"
+        assert time.monotonic() < deadline, f"no {text!r} after {TIMEOUT_S} s"
+        time.sleep(0.05)
+
+
+def wait_for_step(log: Path, step: int, process: subprocess.Popen) -> None:
+    """Until the console line of `step` (`step N/...`, logged by rank 0) is in the log of a launch."""
+    wait_for_line(log, f"step {step}/", process)

@@ -2,16 +2,29 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import random
+import re
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from dflash2.checkpoint import find_latest, load_checkpoint, save_checkpoint, validate_contract
+from dflash2.checkpoint import (
+    CheckpointWriteError,
+    check_resume,
+    find_latest,
+    load_checkpoint,
+    resume_point,
+    save_checkpoint,
+    validate_contract,
+)
 from dflash2.distributed import state_io
 
 CONTRACT = {"architecture": "DFlash2DraftModel", "block_size": 16, "target_layer_ids": [1, 3], "gamma": None}
@@ -258,3 +271,117 @@ def test_resume_refuses_a_changed_attention_pattern_or_chat_template(tmp_path, t
     assert len([line for line in message.splitlines() if line.startswith("  ")]) == 4  # nothing else differs
     assert backend.loaded_from is None  # refused before any state was restored
     load_checkpoint(FakeBackend(), ckpt, contract=build_contract(cfg, build_draft(raw).config.to_dict(), 1))
+
+
+# ---- durability and failed writes ---------------------------------------------------------------------
+
+
+class DiskLog:
+    """Records, in order, every fsync (with the path of its file descriptor), rename and replace."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.events: list[tuple[str, str]] = []
+        fsync, rename, replace = os.fsync, os.rename, os.replace
+        monkeypatch.setattr(
+            os, "fsync", lambda fd: (self._log("fsync", os.readlink(f"/proc/self/fd/{fd}")), fsync(fd))
+        )
+        monkeypatch.setattr(os, "rename", lambda a, b: (self._log("rename", f"{a} -> {b}"), rename(a, b)))
+        monkeypatch.setattr(os, "replace", lambda a, b: (self._log("replace", f"{a} -> {b}"), replace(a, b)))
+
+    def _log(self, kind: str, what: str) -> None:
+        self.events.append((kind, str(what)))
+
+    def index(self, kind: str, what: str) -> int:
+        return self.events.index((kind, str(what)))
+
+
+def test_every_file_and_directory_is_on_disk_before_complete_and_complete_before_latest(
+    tmp_path, monkeypatch
+):
+    save(FakeBackend(), tmp_path, 1)
+    disk = DiskLog(monkeypatch)
+    final = save(FakeBackend(), tmp_path, 2)
+    root, tmp = tmp_path / "checkpoints", tmp_path / "checkpoints" / ".tmp-step_00000002"
+    complete = disk.index("fsync", tmp / "COMPLETE")
+    for path in final.rglob("*"):  # every file and directory of the checkpoint, by its name while written
+        if path.name != "COMPLETE":
+            assert disk.index("fsync", tmp / path.relative_to(final)) < complete, path
+    assert disk.index("fsync", tmp) < complete  # the directory holding them
+    renamed = disk.index("rename", f"{tmp} -> {final}")
+    assert complete < renamed
+    moved = disk.index("replace", f"{root / '.tmp-latest'} -> {root / 'latest'}")
+    assert renamed < disk.events.index(("fsync", str(root)), renamed) < moved  # the rename is on disk first
+    assert disk.index("fsync", root / ".tmp-latest") < moved
+    assert ("fsync", str(root)) in disk.events[moved:]  # and the new pointer
+
+
+def test_deletion_removes_complete_first(tmp_path, monkeypatch):
+    import dflash2.checkpoint as checkpoint
+
+    old = save(FakeBackend(), tmp_path, 1)
+    removed_while_complete = []
+    rmtree = shutil.rmtree
+    monkeypatch.setattr(
+        checkpoint.shutil,
+        "rmtree",
+        lambda path, **kw: (
+            removed_while_complete.append((Path(path) / "COMPLETE").exists()),
+            rmtree(path, **kw),
+        ),
+    )
+    save(FakeBackend(), tmp_path, 2, keep_last=1)  # rotation deletes step 1
+    assert not old.exists() and removed_while_complete == [False]
+
+
+@pytest.mark.parametrize(
+    "failing,error",
+    [
+        (
+            "save_file",
+            SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
+        ),
+        ("_write_json", OSError(errno.ENOSPC, "No space left on device")),
+        ("_write_latest", OSError(errno.EIO, "Input/output error")),
+    ],
+)
+def test_a_failed_write_names_the_path_and_free_space_and_leaves_latest(
+    tmp_path, monkeypatch, failing, error
+):
+    import dflash2.checkpoint as checkpoint
+
+    previous = save(FakeBackend(weight=1.0), tmp_path, 1)
+    monkeypatch.setattr(checkpoint, failing, lambda *args, **kwargs: (_ for _ in ()).throw(error))
+    with pytest.raises(CheckpointWriteError) as raised:
+        save(FakeBackend(weight=2.0), tmp_path, 2)
+    message = str(raised.value)
+    root = tmp_path / "checkpoints"
+    assert f"writing checkpoint {root / 'step_00000002'} failed" in message
+    assert re.search(r"\d+\.\d [GM]iB free on its file system", message)
+    assert f"the latest checkpoint is still {previous}" in message
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000001"]  # nothing half-written
+    assert (root / "latest").read_text().strip() == "step_00000001" and find_latest(tmp_path) == previous
+
+
+def test_a_failed_write_is_reported_by_the_cli_without_traceback(tmp_path, monkeypatch, capsys):
+    import dflash2.checkpoint as checkpoint
+    from dflash2.errors import EXIT_FAILED, run_main
+
+    error = OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(checkpoint, "_write_json", lambda *args: (_ for _ in ()).throw(error))
+    assert run_main(lambda argv: save(FakeBackend(), tmp_path, 1), []) == EXIT_FAILED
+    stderr = capsys.readouterr().err
+    assert stderr.startswith("error: rank 0: writing checkpoint") and "Traceback" not in stderr
+
+
+def test_resume_accepts_any_directory_name_and_refuses_incomplete_ones(tmp_path):
+    ckpt = save(FakeBackend(weight=3.0), tmp_path, 4)
+    copy = tmp_path / "best-so-far"
+    shutil.copytree(ckpt, copy)
+    assert resume_point(str(copy), tmp_path / "other") == copy
+    backend = FakeBackend(weight=0.0)
+    assert load_checkpoint(backend, copy, contract=CONTRACT)["step"] == 4 and backend.weight == 3.0
+    (copy / "COMPLETE").unlink()
+    with pytest.raises(ValueError, match="not a complete checkpoint"):
+        check_resume(copy, CONTRACT)
+    (tmp_path / "checkpoints" / "step_not_a_number").mkdir()  # never taken for a step directory
+    assert find_latest(tmp_path) == ckpt

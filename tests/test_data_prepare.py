@@ -192,3 +192,107 @@ def test_prepare_cli_writes_loadable_dataset_and_summary(tiny_default, tmp_path,
 def test_load_prepared_rejects_other_directories(tmp_path):
     with pytest.raises(ValueError, match="not a prepared dataset"):
         load_prepared(tmp_path)
+
+
+# ---- bad data loses no good data ----------------------------------------------------------------------
+
+
+def test_a_line_that_is_not_utf8_is_reported_with_its_byte_offset_and_the_rest_is_prepared(
+    tiny_tokenizer, tmp_path, caplog
+):
+    good = json.dumps(VALID).encode() + b"\n"
+    bad = (
+        json.dumps({"id": "latin-1", "conversations": [USER, REPLY]}).encode().replace(b"Count", b"Co\xfcnt")
+    )
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(good + bad + b"\n" + json.dumps({**VALID, "id": "after"}).encode() + b"\n")
+    offset = len(good) + bad.index(b"\xfc")  # of the bad byte in the file, counted independently
+    with caplog.at_level("WARNING"):
+        dataset, summary = prepare_dataset(path, tiny_tokenizer, max_length=256, on_error="skip")
+    assert dataset["id"] == ["ok", "after"] and summary["dropped_by_reason"] == {"invalid_utf8": 1}
+    assert summary["errors"][0]["line"] == 2 and f"byte offset {offset}" in summary["errors"][0]["reason"]
+    assert f"mixed.jsonl:2: not valid UTF-8 at byte offset {offset}" in caplog.text
+    with pytest.raises(ValueError, match=f"mixed.jsonl:2: not valid UTF-8 at byte offset {offset}"):
+        prepare_dataset(path, tiny_tokenizer, max_length=256, on_error="fail")
+
+
+def test_an_empty_input_is_an_error(tiny_tokenizer, tmp_path):
+    for name, content in (("empty.jsonl", ""), ("blank.jsonl", "\n  \n")):
+        (tmp_path / name).write_text(content)
+        with pytest.raises(ValueError, match=f"{name} holds no conversation"):
+            prepare_dataset(tmp_path / name, tiny_tokenizer, max_length=256)
+
+
+def test_a_cut_line_reports_the_column_where_it_ends(tiny_tokenizer, tmp_path):
+    cut = json.dumps(VALID)[:40]
+    path = _write_jsonl(tmp_path / "cut.jsonl", [{**VALID, "id": "first"}, cut])
+    _, summary = prepare_dataset(path, tiny_tokenizer, max_length=256, on_error="skip")
+    assert summary["errors"] == [
+        {
+            "line": 2,
+            "code": "invalid_json",
+            "reason": f"invalid JSON ({json_error(cut)} at column {len(cut) + 1})",
+        }
+    ]
+
+
+def json_error(text: str) -> str:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as error:
+        return error.msg
+    raise AssertionError(f"{text!r} is valid JSON")
+
+
+def test_every_dropped_conversation_is_reported_with_its_line_and_reason(tiny_tokenizer, tmp_path, caplog):
+    prompt_length = expected_loss_mask(tiny_tokenizer, [USER, REPLY]).index(1)  # tokens before the reply
+    long_user = {"role": "user", "content": " ".join(["word"] * 200)}
+    lines = [VALID, {"id": "long", "conversations": [long_user, REPLY]}, "{oops", {**VALID, "id": "fine"}]
+    path = _write_jsonl(tmp_path / "data.jsonl", lines)
+    with caplog.at_level("WARNING"):
+        dataset, summary = prepare_dataset(path, tiny_tokenizer, max_length=prompt_length + 40)
+    assert dataset["id"] == ["ok", "fine"]
+    assert summary["dropped_by_reason"] == {"invalid_json": 1, "prompt_too_long": 1}
+    reasons = {error["line"]: error["reason"] for error in summary["errors"]}
+    assert reasons.keys() == {2, 3} and "prompt longer than max_length" in reasons[2]
+    assert (
+        "data.jsonl:2: prompt longer than max_length" in caplog.text
+        and "data.jsonl:3: invalid JSON" in caplog.text
+    )
+
+
+@pytest.mark.parametrize("policy", ["keep", "drop"])
+def test_duplicates_are_reported_and_kept_or_dropped(tiny_tokenizer, tmp_path, caplog, policy):
+    other = {"id": "other", "conversations": [{"role": "user", "content": "Count from 1 to 3."}, REPLY]}
+    lines = [VALID, other, {**VALID, "id": "copy"}, {"conversations": VALID["conversations"]}]
+    path = _write_jsonl(tmp_path / "dups.jsonl", lines)
+    with caplog.at_level("WARNING"):
+        dataset, summary = prepare_dataset(path, tiny_tokenizer, max_length=256, duplicates=policy)
+    assert summary["num_duplicates"] == 2 and summary["duplicates_policy"] == policy
+    assert summary["duplicates"] == [{"line": 3, "first_line": 1}, {"line": 4, "first_line": 1}]
+    assert f"dups.jsonl:3: duplicate of line 1 ({'kept' if policy == 'keep' else 'dropped'})" in caplog.text
+    if policy == "keep":
+        assert dataset["id"] == ["ok", "other", "copy", "line-4"] and summary["num_dropped"] == 0
+    else:
+        assert dataset["id"] == ["ok", "other"] and summary["dropped_by_reason"] == {"duplicate": 2}
+
+
+def test_the_trainer_reports_what_it_kept_and_dropped_on_rank_0_only(
+    tiny_tokenizer, tmp_path, capsys, caplog
+):
+    from dflash2.config import DataConfig
+    from dflash2.data.prepare import build_dataset
+
+    path = tmp_path / "train.jsonl"
+    path.write_bytes(json.dumps(VALID).encode() + b"\n\xff\xfe\n" + json.dumps({**VALID, "id": "b"}).encode())
+    data = DataConfig(train=str(path), max_length=256, on_error="skip")
+    with caplog.at_level("WARNING"):
+        assert build_dataset(data, tiny_tokenizer, is_main=False)["id"] == ["ok", "b"]
+    assert capsys.readouterr().out == "" and caplog.text == ""
+    with caplog.at_level("WARNING"):
+        build_dataset(data, tiny_tokenizer, is_main=True)
+    assert "train.jsonl:2: not valid UTF-8 at byte offset" in caplog.text
+    assert (
+        "kept 2 of 3 conversations, dropped 1 (invalid_utf8: 1), duplicates 1 (kept)"
+        in capsys.readouterr().out
+    )

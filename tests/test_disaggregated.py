@@ -2,13 +2,17 @@
 
 Against the colocated 2-process run on the same data, global batch and seed: the same per-step
 losses, including across a resume (the capture rank picks up the trainers' data position), with
-FSDP2 and with DeepSpeed ZeRO-3; the target is never loaded on trainer ranks; a crashed trainer
-stops the whole job.
+FSDP2 and with DeepSpeed ZeRO-3, and across a stop signal that reaches the capture rank only; the
+target is never loaded on trainer ranks; a crashed trainer stops the whole job.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -16,10 +20,26 @@ import pytest
 
 from dflash2.capture.head import target_num_parameters
 from dflash2.capture.transfer import capture_schedule
+from dflash2.checkpoint import find_latest, read_train_state
 from dflash2.config import load_run_config
+from dflash2.errors import EXIT_STOPPED
 from dflash2.export import check_export
 from dflash2.run import check_capture_ranks
-from tests.run_helpers import REPO, TINY_CONFIG, check_ok, launch_train, metrics, run, tiny_subset, torchrun
+from tests.run_helpers import (
+    REPO,
+    TIMEOUT_S,
+    TINY_CONFIG,
+    TRAIN,
+    alive,
+    check_ok,
+    children,
+    launch_train,
+    metrics,
+    run,
+    tiny_subset,
+    torchrun,
+    wait_for_line,
+)
 
 CRASH_BOUND_S = 120  # a crashed rank must end the job well before any process-group timeout
 FAILING_TRAINER = REPO / "tests" / "dist_scripts" / "train_failing_trainer.py"
@@ -75,9 +95,12 @@ def test_deepspeed_is_confined_to_a_role_only_on_the_verified_version(monkeypatc
             pass
 
 
-def run_disaggregated_across_a_resume(common: list[str], run_dir: Path, backend: str) -> tuple:
+def run_disaggregated_across_a_resume(
+    common: list[str], run_dir: Path, backend: str, stop_log: Path | None = None
+) -> tuple:
     """1 capture rank + 2 trainer ranks to step 2 (checkpoint), then a second launch to step 4 that
-    resumes it: the capture rank must continue the trainers' data order. Returns both launches."""
+    resumes it: the capture rank must continue the trainers' data order. Returns both launches.
+    With `stop_log`, a launch stopped by a signal to its capture rank (logged there) comes between."""
     args = [
         *common,
         f"output_dir={run_dir}",
@@ -86,9 +109,37 @@ def run_disaggregated_across_a_resume(common: list[str], run_dir: Path, backend:
         "capture_ranks=1",
     ]
     first = check_ok(launch_train(3, [*args, "train.save_every=2", "train.stop_at_step=2"]))
+    if stop_log is not None:
+        stop_by_signalling_the_capture_rank(args, stop_log)
+        assert "resumed from" in stop_log.read_text()
+        saved = read_train_state(find_latest(run_dir)).step  # no step lost: saved is the last logged
+        assert saved >= 2 and [m["step"] for m in metrics(run_dir)] == list(range(1, saved + 1))
     second = check_ok(launch_train(3, args))
     assert "resumed from" in second.stdout
     return first, second
+
+
+def stop_by_signalling_the_capture_rank(args: list[str], log: Path) -> None:
+    """A launch under launch/torchrun.py whose capture rank alone gets SIGUSR1 once it holds the
+    target: it relays the request, the trainers stop after the same step with a checkpoint, then the
+    capture rank, and the launcher exits with 75."""
+    wrapper = [sys.executable, str(REPO / "launch" / "torchrun.py"), "--standalone", "--nproc_per_node=3"]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    with open(log, "w") as out:
+        launcher = subprocess.Popen(
+            [*wrapper, str(TRAIN), "--config", str(TINY_CONFIG), *args], cwd=REPO, env=env, stdout=out,
+            stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    workers: list[int] = []
+    try:
+        wait_for_line(log, "capture rank 0: holds", launcher)
+        workers = children(launcher.pid)
+        os.kill(workers[0], signal.SIGUSR1)  # local rank 0, started first, is the capture rank
+        assert launcher.wait(timeout=TIMEOUT_S) == EXIT_STOPPED, log.read_text()[-4000:]
+    finally:
+        for pid in (launcher.pid, *workers):
+            if alive(pid):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")
@@ -101,7 +152,8 @@ def colocated(common, tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def fsdp_disaggregated(common, tmp_path_factory) -> tuple[Path, str]:
     run_dir = tmp_path_factory.mktemp("disaggregated")
-    first, _ = run_disaggregated_across_a_resume(common, run_dir, "fsdp")
+    stop_log = tmp_path_factory.mktemp("stopped") / "stopped.log"
+    first, _ = run_disaggregated_across_a_resume(common, run_dir, "fsdp", stop_log)
     return run_dir, first.stdout
 
 

@@ -1,6 +1,7 @@
 """Launch scripts: syntax, the SLURM environment derivation against recorded SLURM environments,
-the sbatch requeue path (SIGUSR1 -> scontrol requeue), and a two-node run simulated on this
-machine with two torchrun agents meeting over the c10d rendezvous."""
+the sbatch requeue path (SIGUSR1 passed on to the step, scontrol requeue when it exits 75), a
+two-node run simulated on this machine with two torchrun agents meeting over the c10d rendezvous,
+and, with SLURM installed, a real job stopped by USR1, requeued and resumed without losing a step."""
 
 from __future__ import annotations
 
@@ -15,8 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
-from tests.run_helpers import tiny_subset
+from dflash2.errors import EXIT_STOPPED
+from tests.run_helpers import check_ok, launch_train, metrics, tiny_subset
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -100,9 +104,13 @@ def test_env_derivation_names_what_is_missing(tmp_path):
     assert "WORLD_SIZE=8" in explicit.stdout.splitlines()
 
 
-def start_sbatch(tmp_path: Path, overrides: list[str]) -> tuple[subprocess.Popen, Path, Path]:
+def start_sbatch(
+    tmp_path: Path, overrides: list[str], on_usr1: int = EXIT_STOPPED, alone: str = "sleep 60 & step=$!; wait"
+) -> tuple[subprocess.Popen, Path, Path]:
     """Run launch/slurm/fsdp.sbatch as SLURM would (batch shell, recorded 1-node environment) with
-    stub srun / scontrol; the srun stub records its arguments and then waits like a running step."""
+    stub srun / scontrol. The srun stub records its arguments, then runs `alone` like a running step;
+    SIGUSR1 (which the batch shell must pass on) ends it with `on_usr1`, as the workers would after
+    their checkpoint."""
     case = json.loads((FIXTURES / "slurm_env_1node.json").read_text())
     stub_scontrol(
         tmp_path, case["env"]["SLURM_JOB_NODELIST"], case["scontrol_hostnames"], tmp_path / "scontrol.log"
@@ -111,7 +119,8 @@ def start_sbatch(tmp_path: Path, overrides: list[str]) -> tuple[subprocess.Popen
     write_stub(
         tmp_path,
         "srun",
-        f'printf "%s\\n" "$@" > {srun_log}.tmp; mv {srun_log}.tmp {srun_log}; exec sleep 60\n',
+        f'trap "echo USR1 >> {tmp_path / "signals.log"}; kill \\$step; exit {on_usr1}" USR1\n'
+        f'printf "%s\\n" "$@" > {srun_log}.tmp; mv {srun_log}.tmp {srun_log}\n{alone}\n',
     )
     env = slurm_environment(case, tmp_path) | {"DFLASH2_ROOT": str(REPO), "PYTHON": sys.executable}
     command = ["bash", "launch/slurm/fsdp.sbatch", "configs/tiny-dflash2.yaml", *overrides]
@@ -121,17 +130,23 @@ def start_sbatch(tmp_path: Path, overrides: list[str]) -> tuple[subprocess.Popen
     return process, srun_log, tmp_path / "scontrol.log"
 
 
-def test_sbatch_requeues_on_usr1(tmp_path):
-    process, srun_log, scontrol_log = start_sbatch(tmp_path, [f"output_dir={tmp_path / 'run'}"])
+def wait_for_srun(process: subprocess.Popen, srun_log: Path) -> None:
     deadline = time.monotonic() + 60
     while not srun_log.exists():
         assert process.poll() is None, process.communicate()[0]
         assert time.monotonic() < deadline, "srun was never called"
         time.sleep(0.2)
+
+
+def test_sbatch_passes_usr1_on_and_requeues_when_the_run_stopped(tmp_path):
+    process, srun_log, scontrol_log = start_sbatch(tmp_path, [f"output_dir={tmp_path / 'run'}"])
+    wait_for_srun(process, srun_log)
     process.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@120 delivers before the time limit
     output, _ = process.communicate(timeout=30)
     assert process.returncode == 0, output
-    assert "requeue 77" in scontrol_log.read_text().splitlines()
+    assert (tmp_path / "signals.log").read_text() == "USR1\n"  # the step got it, once
+    assert "requeue 77" in scontrol_log.read_text().splitlines()  # after the step ended with 75
+    assert "the run stopped with a checkpoint; requeueing" in output
     # the recorded job has 1 node x 4 GPUs; the tiny config's micro-batch is 8
     assert (
         "global batch 32: micro-batch 8 x 1 accumulation steps x 4 ranks; set train.global_batch_size"
@@ -145,6 +160,29 @@ def test_sbatch_requeues_on_usr1(tmp_path):
         f"output_dir={tmp_path / 'run'}",
         "backend=fsdp",
     ]
+
+
+def test_sbatch_requeues_on_the_exit_code_alone_and_never_after_a_failure(tmp_path):
+    # stopped by a signal that did not come through the batch shell (scancel, preemption): requeued
+    for name in ("a", "b", "c"):
+        (tmp_path / name).mkdir()
+    stopped, _, scontrol_log = start_sbatch(tmp_path / "a", [], alone=f"exit {EXIT_STOPPED}")
+    assert stopped.communicate(timeout=60) and stopped.returncode == 0
+    assert "requeue 77" in scontrol_log.read_text().splitlines()
+    # the run failed while stopping: the job fails, it is not requeued over and over
+    failed, srun_log, scontrol_log = start_sbatch(tmp_path / "b", [], on_usr1=1)
+    wait_for_srun(failed, srun_log)
+    failed.send_signal(signal.SIGUSR1)
+    output, _ = failed.communicate(timeout=30)
+    assert failed.returncode == 1, output
+    assert not any(line.startswith("requeue") for line in scontrol_log.read_text().splitlines())
+    # after USR1, a step ended by a signal (srun killing the tasks of other nodes still exiting once
+    # the first exited with 75) was stopped too: requeued
+    killed, srun_log, scontrol_log = start_sbatch(tmp_path / "c", [], on_usr1=128 + signal.SIGKILL)
+    wait_for_srun(killed, srun_log)
+    killed.send_signal(signal.SIGUSR1)
+    assert killed.communicate(timeout=30) and killed.returncode == 0
+    assert "requeue 77" in scontrol_log.read_text().splitlines()
 
 
 def test_sbatch_refuses_a_config_that_cannot_resume(tmp_path):
@@ -325,27 +363,32 @@ def job_state(env: dict, job_id: str) -> str:
     return next((field.split("=", 1)[1] for field in out.split() if field.startswith("JobState=")), "")
 
 
-def test_sbatch_on_real_slurm_requeues_and_resumes(slurm_cluster, tiny_default, tmp_path):
-    """fsdp.sbatch under a real slurmctld/slurmd: train, receive USR1 (what --signal=B:USR1@120 sends
-    before the time limit), requeue itself, and resume from the latest checkpoint in the second run."""
+def test_sbatch_on_real_slurm_checkpoints_on_usr1_requeues_and_loses_no_step(
+    slurm_cluster, tiny_default, tmp_path
+):
+    """fsdp.sbatch under a real slurmctld/slurmd receives USR1 (what --signal=B:USR1@120 sends before
+    the time limit) while it trains: the batch shell passes it on, the run checkpoints the step it is
+    at and exits 75, the job requeues itself, resumes at that step, and ends bitwise equal to an
+    uninterrupted run of the same config."""
     env = slurm_cluster | {"PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
-    run_dir, log = tmp_path / "run", tmp_path / "job.out"
+    run_dir, reference, log = tmp_path / "run", tmp_path / "reference", tmp_path / "job.out"
+    steps = 60
+    overrides = [
+        f"model.target={tiny_default.target_dir}", f"data.train={tiny_subset(tiny_default, tmp_path, 64)}",
+        f"train.max_steps={steps}", "train.save_every=0", "train.export=false", "train.micro_batch_size=2",
+        "train.progress_bar=false", "train.log_every=1",
+    ]  # fmt: skip
     submit = [
         "sbatch", "--parsable", "--nodes=1", "--gpus-per-node=1", f"--cpus-per-task={os.cpu_count()}",
-        f"--output={log}", "launch/slurm/fsdp.sbatch", "configs/tiny-dflash2.yaml",
-        f"model.target={tiny_default.target_dir}", f"data.train={tiny_subset(tiny_default, tmp_path, 64)}",
-        "train.max_steps=200", "train.save_every=10", "train.export=false", "train.micro_batch_size=2",
-        "train.progress_bar=false", f"output_dir={run_dir}",
+        f"--output={log}", "launch/slurm/fsdp.sbatch", "configs/tiny-dflash2.yaml", *overrides,
+        f"output_dir={run_dir}",
     ]  # fmt: skip
     job_id = subprocess.run(
         submit, cwd=REPO, env=env, check=True, capture_output=True, text=True
     ).stdout.strip()
-    checkpoints = run_dir / "checkpoints"
-    # Any checkpoint (rotation may already have removed the first): the job is long enough (200 steps)
-    # that USR1 arrives while it is still training, whatever the machine's speed.
-    wait_for(lambda: (checkpoints / "latest").is_file(), 240, "the first checkpoint")
+    wait_for(lambda: logged_lines(run_dir) >= 3, 240, "three training steps")
     subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=env, check=True)
-    wait_for(lambda: job_state(env, job_id) == "PENDING", 60, "the requeue")
+    wait_for(lambda: job_state(env, job_id) == "PENDING", 120, "the requeue")
     # SLURM delays a requeued job's start (about two minutes); start it now
     subprocess.run(["scontrol", "update", f"jobid={job_id}", "StartTime=now"], env=env, check=True)
     state = wait_for(
@@ -354,7 +397,19 @@ def test_sbatch_on_real_slurm_requeues_and_resumes(slurm_cluster, tiny_default, 
     output = log.read_text()
     assert state == "COMPLETED", output[-4000:]
     assert f"job {job_id} (restart 0)" in output and f"job {job_id} (restart 1)" in output
-    assert "requeueing" in output
-    resumed = [line for line in output.splitlines() if "resumed from" in line]
-    assert len(resumed) == 1 and re.search(r"checkpoints/step_\d{8} at step [1-9]\d*$", resumed[0]), resumed
-    assert (checkpoints / "latest").read_text().strip() == "step_00000200"
+    stopped = re.findall(rf"stopped on a SIGUSR1 after step (\d+) of {steps}", output)
+    assert len(stopped) == 1 and "the run stopped with a checkpoint; requeueing" in output, output[-4000:]
+    resumed = re.findall(r"resumed from \S+/checkpoints/step_(\d{8}) at step (\d+)$", output, re.MULTILINE)
+    assert resumed == [(f"{int(stopped[0]):08d}", stopped[0])]  # where it stopped: no step lost
+    check_ok(launch_train(1, [*overrides, "backend=fsdp", f"output_dir={reference}"]))
+    assert [m["step"] for m in metrics(run_dir)] == list(range(1, steps + 1))
+    assert [m["loss"] for m in metrics(run_dir)] == [m["loss"] for m in metrics(reference)]
+    got, expected = (
+        load_file(d / "checkpoints" / f"step_{steps:08d}" / "draft.safetensors") for d in (run_dir, reference)
+    )
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+
+
+def logged_lines(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return path.read_text().count("\n") if path.is_file() else 0

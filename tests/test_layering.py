@@ -22,6 +22,8 @@ LAYERS = {
     "dflash2.schedule": 0,
     "dflash2.hf_weights": 0,
     "dflash2.timing": 0,
+    "dflash2.errors": 0,
+    "dflash2.faults": 1,
     "dflash2.models": 1,
     "dflash2.data": 1,
     "dflash2.distributed": 2,

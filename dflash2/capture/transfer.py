@@ -128,3 +128,12 @@ class FeatureReceiver:
                 "capture and trainer ranks disagree on the data order"
             )
         return features
+
+    def drain(self) -> None:
+        """Discard what the capture rank sent beyond the trainer's last step (it ran ahead, or the run
+        stopped early), up to its end marker, so that its sends complete and it can finish."""
+        while (item := self.queue.get()) is not None:
+            if isinstance(item, Exception):
+                raise RuntimeError(
+                    f"receiving features from capture rank {self.src} failed: {item}"
+                ) from item

@@ -3,7 +3,8 @@
 One conversation a line: `{"id": ..., "conversations": [{"role": ..., "content": ...}, ...]}`; the
 key `messages` is accepted in place of `conversations`. `id` is optional (default `line-<n>`) but
 must be unique. Each malformed line raises `SampleError` with a short `code` (for the summary
-counts) and a message saying what is wrong.
+counts) and a message saying what is wrong; a line that is not UTF-8 is one malformed line, the
+others are read.
 """
 
 from __future__ import annotations
@@ -31,18 +32,41 @@ class Sample:
     messages: list[dict[str, str]]
 
 
-def iter_lines(path: str | Path) -> Iterator[tuple[int, str]]:
-    """(1-based line number, text) for every non-blank line."""
-    with open(path, encoding="utf-8") as f:
-        for line_number, line in enumerate(f, start=1):
-            if line.strip():
-                yield line_number, line
+@dataclass(frozen=True)
+class UndecodableLine:
+    """A line that is not valid UTF-8, for parse_sample to report: where its first bad byte is."""
+
+    byte_offset: int  # in the file
+    column: int  # 1-based byte of the line
+    reason: str
 
 
-def parse_sample(line: str, line_number: int) -> Sample:
+def iter_lines(path: str | Path) -> Iterator[tuple[int, str | UndecodableLine]]:
+    """(1-based line number, text) for every non-blank line; a line that is not valid UTF-8 comes
+    as an UndecodableLine (parse_sample raises its SampleError), so one bad byte costs one line."""
+    offset = 0
+    with open(path, "rb") as f:
+        for line_number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                yield line_number, UndecodableLine(offset + error.start, error.start + 1, error.reason)
+            else:
+                if line.strip():
+                    yield line_number, line
+            offset += len(raw)
+
+
+def parse_sample(line: str | UndecodableLine, line_number: int) -> Sample:
     """Parse and validate one training_jsonl line; raises SampleError."""
+    if isinstance(line, UndecodableLine):
+        raise SampleError(
+            "invalid_utf8",
+            f"not valid UTF-8 at byte offset {line.byte_offset} (column {line.column}: {line.reason}); "
+            "re-encode the file as UTF-8",
+        )
     try:
-        record = json.loads(line)
+        record = json.loads(line.rstrip("\r\n"))  # without its end of line, a cut line's column is right
     except json.JSONDecodeError as e:
         raise SampleError("invalid_json", f"invalid JSON ({e.msg} at column {e.colno})") from None
     if not isinstance(record, dict):

@@ -1,9 +1,12 @@
 """training_jsonl -> tokenized dataset with loss masks (`input_ids`, `loss_mask`, `id`).
 
-Malformed lines are reported with their line number and reason and either skipped
-(`on_error="skip"`) or raised (`on_error="fail"`). Samples whose (truncated) loss mask has no two
-consecutive supervised tokens cannot form a single training block; they are dropped and counted.
-The summary counts kept and dropped samples and why.
+Every conversation that is not kept is reported with its line and reason. Malformed lines (invalid
+JSON or UTF-8, a bad turn, a duplicate id, ...) are skipped (`on_error="skip"`) or stop the
+preparation (`on_error="fail"`). A conversation whose prompt alone fills `max_length`, or whose
+(truncated) loss mask has no two consecutive supervised tokens, cannot form a single training block:
+it is dropped. A conversation equal to an earlier one (same turns, whatever its id) is a duplicate:
+reported, and kept (`duplicates="keep"`, the default) or dropped. An input without a single
+conversation is an error. The summary counts kept, dropped by reason, and duplicates.
 """
 
 from __future__ import annotations
@@ -38,17 +41,36 @@ FEATURES = datasets.Features(
 
 @dataclass
 class _Tally:
-    """What happened to the lines of a file: the summary's counts."""
+    """What happened to the lines of a file: the summary's counts and first MAX_REPORTED_ERRORS
+    entries; every entry is also logged (unless quiet) as `<file>:<line>: <reason> (<what was done>)`."""
 
+    path: Path
+    quiet: bool = False
     num_lines: int = 0
     num_truncated: int = 0
     drops: Counter = field(default_factory=Counter)
     errors: list[dict[str, Any]] = field(default_factory=list)
+    num_duplicates: int = 0
+    duplicates: list[dict[str, int]] = field(default_factory=list)
 
     def drop(self, error: SampleError, line_number: int) -> None:
         self.drops[error.code] += 1
         if len(self.errors) < MAX_REPORTED_ERRORS:
             self.errors.append({"line": line_number, "code": error.code, "reason": str(error)})
+        self.log(line_number, f"{error} (dropped)")
+
+    def duplicate(self, line_number: int, first_line: int, kept: bool) -> None:
+        self.num_duplicates += 1
+        if len(self.duplicates) < MAX_REPORTED_ERRORS:
+            self.duplicates.append({"line": line_number, "first_line": first_line})
+        if kept:
+            self.log(line_number, f"duplicate of line {first_line} (kept)")
+        else:
+            self.drop(SampleError("duplicate", f"duplicate of line {first_line}"), line_number)
+
+    def log(self, line_number: int, message: str) -> None:
+        if not self.quiet:
+            logger.warning("%s:%d: %s", self.path, line_number, message)
 
 
 def prepare_dataset(
@@ -58,19 +80,24 @@ def prepare_dataset(
     on_error: str = "skip",
     chat_template_kwargs: dict[str, Any] | None = None,
     end_of_turn: str | None = None,
+    duplicates: str = "keep",
+    quiet: bool = False,
 ) -> tuple[datasets.Dataset, dict[str, Any]]:
     """Tokenize a training_jsonl file with the tokenizer's chat template.
 
     Returns the dataset (columns `id` str, `input_ids` list[int], `loss_mask` list[int]) and a
-    summary dict. `end_of_turn` defaults to the tokenizer's eos token.
+    summary dict. `end_of_turn` defaults to the tokenizer's eos token. `quiet`: log nothing per line.
     """
     if on_error not in ("skip", "fail"):
         raise ValueError(f"on_error must be 'skip' or 'fail', got {on_error!r}")
+    if duplicates not in ("keep", "drop"):
+        raise ValueError(f"duplicates must be 'keep' or 'drop', got {duplicates!r}")
     if max_length < 2:
         raise ValueError(f"max_length must be at least 2 (one anchor and one label), got {max_length}")
     rows: dict[str, list] = {"id": [], "input_ids": [], "loss_mask": []}
-    tally = _Tally()
+    tally = _Tally(Path(jsonl_path), quiet)
     first_line_of_id: dict[str, int] = {}
+    first_line_of_turns: dict[str, int] = {}
     for line_number, line in iter_lines(jsonl_path):
         tally.num_lines += 1
         try:
@@ -83,19 +110,45 @@ def prepare_dataset(
                 raise ValueError(
                     f"{jsonl_path}:{line_number}: {error} (use on_error='skip' to drop such lines)"
                 ) from None
-            logger.warning("%s:%d: %s (skipped)", jsonl_path, line_number, error)
             tally.drop(error, line_number)
             continue
+        turns = hashlib.sha256(json.dumps(sample.messages).encode()).hexdigest()
+        if turns in first_line_of_turns:
+            tally.duplicate(line_number, first_line_of_turns[turns], kept=duplicates == "keep")
+            if duplicates == "drop":
+                continue
+        first_line_of_turns.setdefault(turns, line_number)
         tally.num_truncated += len(input_ids) > max_length
-        input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
-        if not has_trainable_block(loss_mask):
-            tally.drops["no_trainable_block"] += 1
+        try:
+            input_ids, loss_mask = _fit(input_ids, loss_mask, max_length)
+        except SampleError as error:
+            tally.drop(error, line_number)
             continue
         rows["id"].append(sample.id)
         rows["input_ids"].append(input_ids)
         rows["loss_mask"].append(loss_mask)
+    if tally.num_lines == 0:
+        raise ValueError(f"{jsonl_path} holds no conversation (it is empty): give a training_jsonl file")
     summary = _summary(jsonl_path, max_length, chat_template_kwargs, rows, tally)
+    summary.update(duplicates_policy=duplicates)
     return datasets.Dataset.from_dict(rows, features=FEATURES), summary
+
+
+def _fit(input_ids: list[int], loss_mask: list[int], max_length: int) -> tuple[list[int], list[int]]:
+    """Truncate to max_length; a SampleError when no training block is left."""
+    if 1 in loss_mask and loss_mask.index(1) >= max_length:
+        raise SampleError(
+            "prompt_too_long",
+            f"prompt longer than max_length ({loss_mask.index(1)} tokens before the first reply, "
+            f"max_length {max_length})",
+        )
+    input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
+    if not has_trainable_block(loss_mask):
+        raise SampleError(
+            "no_trainable_block",
+            f"no two consecutive reply tokens within max_length {max_length} (nothing to train on)",
+        )
+    return input_ids, loss_mask
 
 
 def _parse_unique(line: str, line_number: int, first_line_of_id: dict[str, int]) -> Sample:
@@ -119,11 +172,25 @@ def _summary(jsonl_path, max_length: int, chat_template_kwargs, rows: dict, tall
         "num_kept": len(rows["id"]),
         "num_dropped": sum(tally.drops.values()),
         "dropped_by_reason": dict(sorted(tally.drops.items())),
+        "num_duplicates": tally.num_duplicates,
         "num_truncated": tally.num_truncated,
         "num_tokens": sum(map(len, rows["input_ids"])),
         "num_supervised_tokens": sum(map(sum, rows["loss_mask"])),
         "errors": tally.errors,
+        "duplicates": tally.duplicates,
     }
+
+
+def describe(summary: dict[str, Any]) -> str:
+    """One line: what was kept, dropped (by reason) and duplicated."""
+    reasons = ", ".join(f"{k}: {v}" for k, v in summary["dropped_by_reason"].items()) or "none"
+    policy = "dropped" if summary["duplicates_policy"] == "drop" else "kept"
+    return (
+        f"kept {summary['num_kept']} of {summary['num_lines']} conversations, dropped "
+        f"{summary['num_dropped']} ({reasons}), duplicates {summary['num_duplicates']} ({policy}), "
+        f"truncated {summary['num_truncated']}; {summary['num_supervised_tokens']} supervised of "
+        f"{summary['num_tokens']} tokens"
+    )
 
 
 def save_prepared(dataset: datasets.Dataset, summary: dict[str, Any], out_dir: str | Path) -> Path:
@@ -158,7 +225,7 @@ def _sha256(path: str | Path) -> str:
 
 def build_dataset(data: DataConfig, tokenizer: Any, is_main: bool) -> datasets.Dataset:
     """The run's dataset: a prepared dataset directory is loaded as is; a training_jsonl file is
-    prepared on the fly (rank 0 prints what was kept and dropped)."""
+    prepared on the fly (rank 0 reports every dropped line and what was kept)."""
     source = Path(data.train)
     if source.is_dir():
         return load_prepared(source)
@@ -168,12 +235,9 @@ def build_dataset(data: DataConfig, tokenizer: Any, is_main: bool) -> datasets.D
         data.max_length,
         on_error=data.on_error,
         chat_template_kwargs=data.chat_template_kwargs,
+        duplicates=data.duplicates,
+        quiet=not is_main,
     )
     if is_main:
-        dropped = summary["num_dropped"]
-        reasons = ", ".join(f"{k}: {v}" for k, v in summary["dropped_by_reason"].items()) or "none"
-        print(
-            f"[dflash2] data {source}: kept {summary['num_kept']}, dropped {dropped} ({reasons}), "
-            f"{summary['num_tokens']} tokens, {summary['num_supervised_tokens']} supervised"
-        )
+        print(f"[dflash2] data {source}: {describe(summary)}", flush=True)
     return dataset

@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from dflash2.distributed.base import Backend
 from dflash2.distributed.ds_config import resolve_ds_config
+from dflash2.faults import collective_timeout
 
 BackendName = Literal["deepspeed", "fsdp"]
 BACKEND_NAMES = ("deepspeed", "fsdp")
@@ -59,7 +60,9 @@ def init_distributed(backend_name: BackendName) -> tuple[int, int, int]:
     """Start the default process group (gloo on CPU, nccl on CUDA); returns (rank, world_size, local_rank).
 
     Works under torchrun, under the deepspeed launcher and as a plain one-process `python` run.
-    Idempotent: a second call returns the existing group's coordinates.
+    Idempotent: a second call returns the existing group's coordinates. Collectives wait at most
+    `collective_timeout()` (DFLASH2_DIST_TIMEOUT_S); groups made later must pass it too (new_group
+    does not inherit it).
     """
     if backend_name not in BACKEND_NAMES:
         raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend_name!r}")
@@ -69,12 +72,13 @@ def init_distributed(backend_name: BackendName) -> tuple[int, int, int]:
         if torch.cuda.is_available():
             torch.cuda.set_device(local_rank)
         comm = "nccl" if torch.cuda.is_available() else "gloo"
+        timeout = collective_timeout()
         if backend_name == "deepspeed":
             import deepspeed
 
-            deepspeed.init_distributed(dist_backend=comm, auto_mpi_discovery=False)
+            deepspeed.init_distributed(dist_backend=comm, auto_mpi_discovery=False, timeout=timeout)
         else:
-            dist.init_process_group(backend=comm)
+            dist.init_process_group(backend=comm, timeout=timeout)
     return dist.get_rank(), dist.get_world_size(), local_rank
 
 

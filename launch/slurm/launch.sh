@@ -7,14 +7,22 @@
 #      continue the same run (the checkpoint is re-cut for the new number of ranks);
 #   2. starts one torchrun agent per node (srun, one task per node; launch/multinode_torchrun.sh with
 #      the environment from launch/slurm/slurm_env.sh, derived again inside each task);
-#   3. on SIGUSR1 (#SBATCH --signal=B:USR1@120: two minutes before the time limit) requeues the job
-#      with `scontrol requeue`; progress since the last checkpoint is lost, so keep train.save_every
-#      short against the time limit. #SBATCH --requeue also requeues after a node failure.
+#   3. on SIGUSR1 (#SBATCH --signal=B:USR1@120: two minutes before the time limit) passes it on to the
+#      step (srun forwards it to every process of the step); the workers finish their optimizer step,
+#      write a checkpoint and exit with 75, and the launcher too;
+#   4. requeues the job with `scontrol requeue` when the step exits with 75 (stopped on a signal, from
+#      SLURM or anyone else): the requeued job resumes at the step it stopped at, losing nothing. After
+#      passing USR1 on it also requeues a step that ended by a signal: with several nodes, srun
+#      (--kill-on-bad-exit) may kill the tasks still exiting once the first one has exited with 75.
+#      #SBATCH --requeue also requeues after a node failure (back to the latest checkpoint then).
+
+_DFLASH2_EXIT_STOPPED=75  # dflash2.errors.EXIT_STOPPED
 
 _dflash2_on_usr1() {
-  echo "[dflash2] job ${SLURM_JOB_ID} near its time limit: requeueing; the next run resumes from the latest checkpoint"
-  _dflash2_requeued=1
-  scontrol requeue "${SLURM_JOB_ID}" || echo "[dflash2] scontrol requeue failed; the job ends at its time limit" >&2
+  echo "[dflash2] job ${SLURM_JOB_ID} near its time limit: the run checkpoints and stops"
+  _dflash2_signaled=1
+  _dflash2_passed_on=1
+  kill -USR1 "$_dflash2_step" 2>/dev/null || true
 }
 
 _dflash2_check_config() {
@@ -56,18 +64,23 @@ dflash2_slurm_run() {
   echo "[dflash2] job ${SLURM_JOB_ID} (restart ${RESTART_COUNT}): ${NNODES} nodes x ${GPUS_PER_NODE} GPUs," \
     "rendezvous ${MASTER_ADDR}:${MASTER_PORT}"
 
-  _dflash2_requeued=
   trap _dflash2_on_usr1 USR1
   # NODE_RANK differs per node: each task derives its own environment.
   srun --kill-on-bad-exit=1 --nodes="${NNODES}" --ntasks-per-node=1 \
     bash -c 'source launch/slurm/slurm_env.sh && exec launch/multinode_torchrun.sh "$@"' dflash2 \
     --config "$config" "$@" &
-  local step=$!
-  local status=0
-  wait "$step" || status=$?  # a trapped signal ends the wait early (status > 128)
-  if [[ -n $_dflash2_requeued ]]; then
-    kill -TERM "$step" 2>/dev/null || true
-    wait "$step" || true
+  _dflash2_step=$!
+  _dflash2_passed_on=
+  local status
+  while true; do
+    _dflash2_signaled=
+    status=0
+    wait "$_dflash2_step" || status=$?
+    [[ -z $_dflash2_signaled ]] && break  # else the trap ended the wait early: wait for the step itself
+  done
+  if [[ $status == "$_DFLASH2_EXIT_STOPPED" || (-n $_dflash2_passed_on && $status -gt 128) ]]; then
+    echo "[dflash2] job ${SLURM_JOB_ID}: the run stopped with a checkpoint; requeueing, it resumes there"
+    scontrol requeue "${SLURM_JOB_ID}" || echo "[dflash2] scontrol requeue failed; resubmit the job" >&2
     return 0
   fi
   return "$status"

@@ -1,0 +1,74 @@
+"""How the command-line tools end: their exit codes, and errors reported as one message, no traceback.
+
+    0   done
+    1   a failure (a bug, a crash, a collective that timed out, a checkpoint that could not be written)
+    2   a user error: config, command line, paths, data, resume contract; the message names the fix
+    75  stopped on SIGTERM, SIGINT or SIGUSR1 after writing a checkpoint: run the same command again to
+        resume (75 is EX_TEMPFAIL; the SLURM scripts requeue on it)
+
+A user mistake raises ValueError (the codebase's convention); `run_main` prints its message once
+(global rank 0) without a traceback. `ReportedError` is a failure whose message already says what
+happened and where (a full disk, a timed-out collective): each rank that meets one prints it. The
+traceback of either is shown with `--debug` or DFLASH2_DEBUG=1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from collections.abc import Callable, Sequence
+
+EXIT_FAILED = 1
+EXIT_USER_ERROR = 2
+EXIT_STOPPED = 75
+DEBUG_ENV = "DFLASH2_DEBUG"
+
+
+class ReportedError(Exception):
+    """A failure whose message is complete: printed without a traceback by the rank that raised it."""
+
+
+def add_debug_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--debug", action="store_true", help=f"show the traceback of an error (or set {DEBUG_ENV}=1)"
+    )
+
+
+def global_rank() -> int:
+    """This process's rank in the job as the launcher set it (0 for a plain `python` run)."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def run_main(main: Callable[[Sequence[str] | None], object], argv: Sequence[str] | None = None) -> int:
+    """Run a CLI's `main(argv)` and turn its outcome into an exit code: main's int result (None or any
+    other value: 0), EXIT_USER_ERROR for a ValueError, EXIT_FAILED for a ReportedError."""
+    args = sys.argv[1:] if argv is None else list(argv)
+    debug = os.environ.get(DEBUG_ENV) == "1" or "--debug" in args
+    try:
+        result = main(argv)
+    except ValueError as error:
+        return _report(error, debug, EXIT_USER_ERROR, every_rank=False)
+    except ReportedError as error:
+        return _report(error, debug, EXIT_FAILED, every_rank=True)
+    return result if isinstance(result, int) else 0
+
+
+def job_exit_code(worker_codes: list[int]) -> int:
+    """A launcher's exit code from its failed workers' codes (negative: ended by that signal): 75 when
+    the workers stopped on a signal, 2 when they met a user error (in both cases workers still exiting
+    after the first one may have been ended by the launcher), else 1."""
+    for code in (EXIT_STOPPED, EXIT_USER_ERROR):
+        if code in worker_codes and all(c == code or c < 0 for c in worker_codes):
+            return code
+    return EXIT_FAILED
+
+
+def _report(error: Exception, debug: bool, code: int, every_rank: bool) -> int:
+    if debug:
+        traceback.print_exc()
+    if every_rank or global_rank() == 0:
+        sys.stdout.flush()
+        print(f"error: {error}", file=sys.stderr, flush=True)
+    return code

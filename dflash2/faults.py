@@ -1,0 +1,184 @@
+"""What a run does when something outside it goes wrong: a stop signal, a dead launcher, a stalled peer.
+
+Stop signals. SIGTERM, SIGINT and SIGUSR1 ask the run to stop: every rank finishes the optimizer step
+it is in, the ranks agree (a flag all-reduced once per step, so that they stop at the same step
+whichever of them got the signal), write a checkpoint together and exit with EXIT_STOPPED. Launchers
+forward a signal that the workers may also get directly (torchrun forwards SIGTERM and SIGINT, srun and
+`scancel` signal every process of a step, the deepspeed launcher sends SIGTERM on SIGINT): repeats
+within REPEAT_WINDOW_S of the first are the same request. A later signal aborts at once: the process
+dies of it, and the latest complete checkpoint stays as it was.
+
+Launcher death. torchrun starts each worker in a session of its own, so a worker outlives a launcher
+killed with SIGKILL, or with SIGUSR1, which torchrun does not handle. `exit_with_launcher` has Linux
+send a worker SIGTERM when its launcher dies: the workers stop as above, with a checkpoint.
+
+Collective timeout. Every process group waits at most DFLASH2_DIST_TIMEOUT_S seconds (default 600) for
+a collective or a point-to-point transfer. With gloo (CPU) the waiting call raises, and
+`collective_section` turns that into a message naming the rank and what it was doing, after ending
+the other workers of its launcher at once (a frozen one ignores SIGTERM, and torchrun waits 30 s
+before its SIGKILL). With NCCL the watchdog thread ends the process itself and logs the rank and the
+operation (WorkNCCL(OpType=...)), as long as TORCH_NCCL_ASYNC_ERROR_HANDLING is not 0 (torchrun sets
+1, PyTorch's default is 3); the launcher then ends the others.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from datetime import timedelta
+from pathlib import Path
+
+from dflash2.errors import ReportedError, global_rank
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+REPEAT_WINDOW_S = 2.0
+TIMEOUT_ENV = "DFLASH2_DIST_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 600.0
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def _say(message: str) -> None:
+    """Write from a signal handler: os.write, because a buffered print can be re-entered there."""
+    os.write(sys.stderr.fileno(), f"[dflash2] rank {global_rank()}: {message}\n".encode())
+
+
+class StopRequest:
+    """The process's stop request: set by the first stop signal, agreed on by all ranks once per step."""
+
+    def __init__(self) -> None:
+        self.signal_name: str | None = None  # the first stop signal received
+        self.stopped = False  # set by the loop when it ended early on a request
+        self._received_at = 0.0
+
+    def install(self) -> None:
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame) -> None:
+        now = time.monotonic()
+        name = signal.Signals(signum).name
+        if self.signal_name is None:
+            self.signal_name, self._received_at = name, now
+            _say(
+                f"{self.describe()}: stopping after this optimizer step with a checkpoint "
+                f"(a signal more than {REPEAT_WINDOW_S:.0f} s later aborts at once)"
+            )
+        elif now - self._received_at >= REPEAT_WINDOW_S:
+            _say(f"second signal ({name}): aborting without a checkpoint")
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+
+    def describe(self) -> str:
+        """The signal that asked this rank to stop, and whether its launcher is gone (asked when
+        reported: the kernel may signal a launcher's death before the worker is reparented)."""
+        if self.signal_name is None:
+            return "no signal"
+        launcher_died = _launcher_pid is not None and os.getppid() != _launcher_pid
+        return self.signal_name + (" (the launcher died)" if launcher_died else "")
+
+    def agreed(self, backend, requested: bool | None = None) -> bool:
+        """Whether any rank of the backend's group was asked to stop (collective: every rank calls it
+        at the same point of every step). `requested`: this rank's vote (default: a signal arrived)."""
+        import torch  # here: launch/train.py imports this module first thing, before anything heavy
+
+        vote = self.signal_name is not None if requested is None else requested
+        flag = torch.tensor([1.0 if vote else 0.0], device=backend.device)
+        return bool(backend.all_reduce_sum(flag).item() > 0)
+
+
+stop_request = StopRequest()
+_launcher_pid: int | None = None  # the parent whose death exit_with_launcher watches
+
+
+def exit_with_launcher() -> None:
+    """Under a launcher (RANK is set: torchrun, the deepspeed launcher), have Linux send this process
+    SIGTERM when the launcher dies. A plain `python` run keeps running if its shell goes away."""
+    global _launcher_pid
+    if "RANK" not in os.environ or not sys.platform.startswith("linux"):
+        return
+    _launcher_pid = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    # (a launcher that died before this call goes unnoticed; its parent id cannot tell, since a
+    # launcher may itself be process 1 in a container)
+    if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+
+
+def collective_timeout() -> timedelta:
+    """How long any rank waits for a collective or a transfer: DFLASH2_DIST_TIMEOUT_S (default 600)."""
+    text = os.environ.get(TIMEOUT_ENV, "")
+    try:
+        seconds = float(text) if text else DEFAULT_TIMEOUT_S
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{TIMEOUT_ENV}={text!r}: give the collective timeout in seconds (> 0)")
+    return timedelta(seconds=seconds)
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    """A collective or transfer that timed out or lost its peer (gloo raises a plain RuntimeError)."""
+    import torch.distributed as dist
+
+    return isinstance(error, dist.DistError) or "gloo" in str(error)
+
+
+@contextmanager
+def collective_section(what: str) -> Iterator[None]:
+    """Name this rank and `what` in the error of a collective that fails or times out inside."""
+    try:
+        yield
+    except RuntimeError as error:
+        if not is_collective_failure(error):
+            raise
+        detail = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+        end_sibling_workers()
+        raise ReportedError(
+            f"rank {global_rank()}: {what} did not complete: {detail}. Another rank stalled or died "
+            f"(collectives wait at most {collective_timeout().total_seconds():.0f} s, {TIMEOUT_ENV}); "
+            "this node's other workers were ended. Resume from the latest checkpoint."
+        ) from error
+
+
+def end_sibling_workers() -> None:
+    """SIGKILL the other workers of this job started by this process's launcher: after a collective
+    failed the job cannot go on, and a frozen worker would wait for the launcher's own SIGKILL
+    (torchrun: 30 s later). Only processes of the same job (same rendezvous address and world size)."""
+    if _launcher_pid is None or os.getppid() != _launcher_pid:
+        return
+    for pid in _children_of(_launcher_pid):
+        if pid != os.getpid() and _job_of(pid) == _job_of(os.getpid()):
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _children_of(parent: int) -> list[int]:
+    """Process ids whose parent is `parent`, from /proc (its per-task `children` files are optional)."""
+    children = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path("/proc", entry, "stat").read_text()
+        except OSError:  # the process ended meanwhile
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent:  # fields after "(comm)": state, ppid, ...
+            children.append(int(entry))
+    return children
+
+
+def _job_of(pid: int) -> tuple[str, ...] | None:
+    """(MASTER_ADDR, MASTER_PORT, WORLD_SIZE) of a launched worker, None for any other process."""
+    try:
+        pairs = Path("/proc", str(pid), "environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    env = dict(pair.decode(errors="replace").split("=", 1) for pair in pairs if b"=" in pair)
+    if "RANK" not in env:
+        return None
+    return tuple(env.get(name, "") for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"))

@@ -1,0 +1,146 @@
+"""User errors in every command-line tool: one message naming the problem and the fix, exit code 2,
+no traceback (unless --debug or DFLASH2_DEBUG=1), and nothing loaded before the paths were checked:
+a missing model directory is never taken for a Hugging Face hub id. Each tool runs as `__main__`,
+as from the shell, in this process."""
+
+from __future__ import annotations
+
+import json
+import runpy
+import sys
+import warnings
+
+import pytest
+
+from dflash2.errors import EXIT_USER_ERROR, run_main
+from tests.run_helpers import REPO, TINY_CONFIG
+
+
+def run_cli(monkeypatch, capsys, tool: str, arguments: list[str]) -> tuple[int, str]:
+    """Run `tool` (a script path under the repo, or a module name) as __main__; (exit code, stderr)."""
+    monkeypatch.setattr(sys, "argv", [tool, *arguments])
+    monkeypatch.chdir(REPO)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # were the hub ever asked, this would fail differently
+    with pytest.raises(SystemExit) as exited, warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # runpy: the module is imported already
+        if tool.endswith(".py"):
+            runpy.run_path(str(REPO / tool), run_name="__main__")
+        else:
+            runpy.run_module(tool, run_name="__main__", alter_sys=True)
+    return exited.value.code, capsys.readouterr().err
+
+
+def assert_one_message(code: int, stderr: str, *fragments: str) -> None:
+    assert code == EXIT_USER_ERROR, stderr
+    assert stderr.count("error:") == 1 and stderr.startswith("error: "), stderr
+    assert "Traceback" not in stderr
+    for fragment in fragments:
+        assert fragment in stderr, stderr
+
+
+def test_train_names_a_missing_relative_target_and_never_asks_the_hub(monkeypatch, capsys, tiny_default):
+    code, stderr = run_cli(
+        monkeypatch,
+        capsys,
+        "launch/train.py",
+        ["--config", str(TINY_CONFIG), "model.target=artifacts/no-such-target"],
+    )
+    assert_one_message(
+        code, stderr, "model.target='artifacts/no-such-target'", f"(relative to {REPO})", "does not exist"
+    )
+
+
+@pytest.mark.parametrize(
+    "arguments,fragments",
+    [
+        (["--config", "configs/missing.yaml"], ["config='configs/missing.yaml'", "does not exist"]),
+        (["--config", str(TINY_CONFIG), "train.max_steps"], ["must look like key=value"]),
+        (
+            ["--config", str(TINY_CONFIG), "train.nonsense=1"],
+            ["train.nonsense: Extra inputs are not permitted"],
+        ),
+        (
+            ["--config", str(TINY_CONFIG), "data.train=/nowhere/data.jsonl"],
+            ["data.train='/nowhere/data.jsonl'"],
+        ),
+        (["--config", str(TINY_CONFIG), "train.resume=/nowhere"], ["train.resume='/nowhere'"]),
+        (["--config", str(TINY_CONFIG), "model.target=/nowhere/target"], ["model.target='/nowhere/target'"]),
+    ],
+    ids=["config", "override", "unknown-key", "data", "resume", "absolute-target"],
+)
+def test_train_config_errors(monkeypatch, capsys, tiny_default, arguments, fragments):
+    overrides = [f"model.target={tiny_default.target_dir}", f"data.train={tiny_default.train_jsonl}"]
+    arguments = arguments[:2] + overrides + arguments[2:] if arguments[1] == str(TINY_CONFIG) else arguments
+    code, stderr = run_cli(monkeypatch, capsys, "launch/train.py", arguments)
+    assert_one_message(code, stderr, *fragments)
+
+
+def test_bad_yaml_and_an_empty_data_file(monkeypatch, capsys, tiny_default, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("output_dir: [unclosed\n")
+    assert_one_message(
+        *run_cli(monkeypatch, capsys, "launch/train.py", ["--config", str(bad)]), "not valid YAML"
+    )
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    arguments = [
+        "--config",
+        str(TINY_CONFIG),
+        f"model.target={tiny_default.target_dir}",
+        f"data.train={empty}",
+    ]
+    assert_one_message(*run_cli(monkeypatch, capsys, "launch/train.py", arguments), "is empty")
+
+
+def test_other_tools(monkeypatch, capsys, tiny_default, tmp_path):
+    target, data = str(tiny_default.target_dir), str(tiny_default.train_jsonl)
+    cases = {
+        "data_prep/prepare.py": (
+            ["--input", "nope.jsonl", "--tokenizer", target, "--out", str(tmp_path / "p"), "--max-length", "64"],
+            "--input='nope.jsonl'",
+        ),
+        "data_prep/regenerate.py": (["--input", data, "--out", str(tmp_path / "r"), "--target", "nope"], "--target='nope'"),
+        "data_prep/capture.py": (
+            ["--config", str(TINY_CONFIG), "--out", str(tmp_path / "f"), "model.target=nope"],
+            "model.target='nope'",
+        ),
+        "dflash2.export": (["nope", str(tmp_path / "e")], "source='nope'"),
+        "dflash2.evaluate": (["--draft", "nope", "--target", target, "--data", data], "--draft='nope'"),
+        "dflash2.serving_gate": (["--config", str(TINY_CONFIG), "--data", "nope.jsonl", f"model.target={target}"], "--data='nope.jsonl'"),
+        "dflash2.plan": (["configs/nope.yaml"], "config='configs/nope.yaml'"),
+    }  # fmt: skip
+    for tool, (arguments, fragment) in cases.items():
+        code, stderr = run_cli(monkeypatch, capsys, tool, arguments)
+        assert_one_message(code, stderr, fragment, "does not exist")
+
+
+def test_on_error_fail_gives_the_reported_line_without_a_traceback(
+    monkeypatch, capsys, tiny_default, tmp_path
+):
+    path = tmp_path / "in.jsonl"
+    path.write_text(json.dumps({"conversations": [{"role": "user", "content": "hi"}]}) + "\n")
+    arguments = [
+        "--input",
+        str(path),
+        "--tokenizer",
+        str(tiny_default.target_dir),
+        "--out",
+        str(tmp_path / "o"),
+    ]
+    arguments += ["--max-length", "64", "--on-error", "fail"]
+    assert_one_message(
+        *run_cli(monkeypatch, capsys, "data_prep/prepare.py", arguments), f"{path}:1: no assistant turn"
+    )
+
+
+def test_debug_shows_the_traceback_and_other_ranks_stay_quiet(monkeypatch, capsys):
+    def main(argv):
+        raise ValueError("the fix is to do X")
+
+    monkeypatch.setenv("DFLASH2_DEBUG", "1")
+    assert run_main(main, []) == EXIT_USER_ERROR
+    stderr = capsys.readouterr().err
+    assert "Traceback" in stderr and stderr.rstrip().endswith("error: the fix is to do X")
+    monkeypatch.delenv("DFLASH2_DEBUG")
+    monkeypatch.setenv("RANK", "1")  # the same error on every rank is printed once, by rank 0
+    assert run_main(main, []) == EXIT_USER_ERROR and capsys.readouterr().err == ""

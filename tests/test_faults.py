@@ -1,0 +1,374 @@
+"""Faults a run meets on a cluster, injected on purpose: stop signals (to the launcher, to one rank, to
+a single process), a launcher killed with SIGKILL, a frozen rank. A stopped run must lose no step: it
+checkpoints after the step it stopped at, and its continuation ends bitwise equal to an uninterrupted
+run (both backends). The pieces these rely on (the stop request, the parent-death signal, the
+launchers' exit codes, the collective timeout) are also tested alone, fast."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dflash2.checkpoint import find_latest, read_train_state
+from dflash2.errors import EXIT_FAILED, EXIT_STOPPED, EXIT_USER_ERROR, ReportedError, job_exit_code
+from dflash2.faults import TIMEOUT_ENV, StopRequest, collective_section, collective_timeout
+from tests.run_helpers import (
+    REPO,
+    TIMEOUT_S,
+    TINY_CONFIG,
+    TRAIN,
+    alive,
+    check_ok,
+    children,
+    launch_train,
+    metrics,
+    tiny_subset,
+    torchrun,
+    wait_for_step,
+    wait_gone,
+)
+
+STEPS = 10
+WRAPPER = REPO / "launch" / "torchrun.py"
+FROZEN_TIMEOUT_S = 15  # the collective timeout of the frozen-rank launch
+
+
+# ------------------------------------------------------------------ helpers
+
+
+@pytest.fixture(scope="module")
+def common(tiny_default, tmp_path_factory) -> list[str]:
+    data = tiny_subset(tiny_default, tmp_path_factory.mktemp("data"), 64)
+    return [
+        f"model.target={tiny_default.target_dir}",
+        f"data.train={data}",
+        "data.max_length=96",
+        "objective.num_anchors=8",
+        "train.micro_batch_size=2",
+        f"train.max_steps={STEPS}",
+        "train.save_every=0",
+        "train.export=false",
+        "train.progress_bar=false",
+        "train.log_every=1",
+        "train.warmup_steps=0",
+        "train.lr=3e-3",
+    ]
+
+
+def wrapped(nproc: int, args: list[str]) -> list[str]:
+    """launch/torchrun.py instead of torchrun."""
+    command = [sys.executable, str(WRAPPER), "--standalone", f"--nproc_per_node={nproc}"]
+    return [*command, str(TRAIN), "--config", str(TINY_CONFIG), *args]
+
+
+def plain(nproc: int, args: list[str]) -> list[str]:
+    launcher = [sys.executable] if nproc == 1 else torchrun(nproc)
+    return [*launcher, str(TRAIN), "--config", str(TINY_CONFIG), *args]
+
+
+def saved_step(run_dir: Path) -> int:
+    return read_train_state(find_latest(run_dir)).step
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    return [m["step"] for m in metrics(run_dir)]
+
+
+def assert_stopped_without_loss(run_dir: Path, at_least: int) -> int:
+    """The checkpoint is at the last step logged: every step trained was saved."""
+    step = saved_step(run_dir)
+    assert step >= at_least and logged_steps(run_dir)[-1] == step, (step, logged_steps(run_dir))
+    return step
+
+
+def assert_bitwise_equal(run_dir: Path, reference: Path) -> None:
+    assert logged_steps(run_dir) == list(range(1, STEPS + 1))  # each step once, across the launches
+    assert [m["loss"] for m in metrics(run_dir)] == [m["loss"] for m in metrics(reference)]
+    got, expected = (load_file(find_latest(d) / "draft.safetensors") for d in (run_dir, reference))
+    assert saved_step(run_dir) == saved_step(reference) == STEPS
+    assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+
+
+# ------------------------------------------------------------------ real runs
+
+
+@pytest.mark.slow
+def test_fsdp_launcher_death_frozen_rank_and_forwarded_usr1_lose_no_step(common, launched, tmp_path):
+    """FSDP2, two ranks. (1) torchrun alone gets SIGKILL or SIGUSR1 (which it does not handle) and
+    dies: its workers, in sessions of their own, stop by themselves within seconds, with a checkpoint.
+    (2) A rank is frozen (SIGSTOP): the job ends within the collective timeout + 30 s with a message
+    naming the rank and the operation; the steps since the checkpoint are lost. (3) SIGUSR1 reaches
+    launch/torchrun.py, which forwards it, and SIGTERM every worker at the same time (as srun signals
+    every process of a step): one request, exit 75. (4) The run then ends bitwise equal to an
+    uninterrupted one, each step logged once."""
+    rng = random.Random()
+    reference, run_dir = tmp_path / "reference", tmp_path / "run"
+    args = [*common, "backend=fsdp", f"output_dir={run_dir}"]
+    check_ok(launch_train(2, [*common, "backend=fsdp", f"output_dir={reference}"]))
+
+    log = tmp_path / "killed.log"
+    launcher = launched(plain(2, args), log)
+    wait_for_step(log, rng.randint(1, 3), launcher)
+    workers = children(launcher.pid)
+    launched.track(workers)
+    assert len(workers) == 2, workers
+    death = rng.choice([signal.SIGKILL, signal.SIGUSR1])
+    launcher.send_signal(death)
+    assert launcher.wait() == -death  # torchrun died of it
+    took = wait_gone(workers, timeout=60)
+    assert took < 30, f"the workers outlived their launcher ({death.name}) by {took:.0f} s"
+    assert "stopped on a SIGTERM (the launcher died) after step" in log.read_text()
+    stopped = assert_stopped_without_loss(run_dir, at_least=1)
+
+    log = tmp_path / "frozen.log"
+    job = launched(plain(2, args), log, extra_env={TIMEOUT_ENV: str(FROZEN_TIMEOUT_S)})
+    wait_for_step(log, stopped + rng.randint(1, 2), job)
+    workers = children(job.pid)
+    launched.track(workers)
+    os.kill(workers[rng.randrange(2)], signal.SIGSTOP)
+    start = time.monotonic()
+    job.wait(timeout=FROZEN_TIMEOUT_S + 60)
+    wait_gone(workers, timeout=30)
+    took = time.monotonic() - start
+    assert took < FROZEN_TIMEOUT_S + 30, f"the job took {took:.0f} s to end"
+    output = log.read_text()
+    assert re.search(
+        r"error: rank \d: (training step \d+|the stop vote before step \d+) did not complete", output
+    )
+    assert not re.search(r'File "[^"]*(dflash2|launch)/', output)  # no traceback from a worker
+    assert saved_step(run_dir) == stopped  # what was trained since is lost, and trained again below
+
+    log = tmp_path / "usr1.log"
+    launcher = launched(wrapped(2, args), log)
+    wait_for_step(log, stopped + rng.randint(1, 2), launcher)
+    workers = children(launcher.pid)
+    launched.track(workers)
+    launcher.send_signal(signal.SIGUSR1)
+    for worker in workers:
+        os.kill(worker, signal.SIGTERM)
+    assert launcher.wait(timeout=TIMEOUT_S) == EXIT_STOPPED, log.read_text()[-4000:]
+    assert "aborting" not in log.read_text()  # the forwarded repeat was the same request
+    assert_stopped_without_loss(run_dir, at_least=stopped + 1)
+
+    check_ok(launch_train(2, args))
+    assert_bitwise_equal(run_dir, reference)
+
+
+@pytest.mark.slow
+def test_deepspeed_ranks_agree_to_stop_when_one_rank_gets_the_signal(common, launched, tmp_path):
+    """ZeRO-3, two ranks under launch/torchrun.py: SIGUSR1 reaches one rank only (SLURM's `--signal`
+    may reach some processes only); both stop after the same step, with one checkpoint, and the
+    launcher exits 75. The run then ends bitwise equal to an uninterrupted one."""
+    rng = random.Random()
+    reference, run_dir = tmp_path / "reference", tmp_path / "run"
+    args = [*common, "backend=deepspeed", f"output_dir={run_dir}"]
+    check_ok(launch_train(2, [*common, "backend=deepspeed", f"output_dir={reference}"]))
+
+    log = tmp_path / "usr1.log"
+    launcher = launched(wrapped(2, args), log)
+    wait_for_step(log, rng.randint(1, 4), launcher)
+    workers = children(launcher.pid)
+    launched.track(workers)
+    os.kill(workers[rng.randrange(2)], signal.SIGUSR1)
+    assert launcher.wait(timeout=TIMEOUT_S) == EXIT_STOPPED, log.read_text()[-4000:]
+    assert_stopped_without_loss(run_dir, at_least=1)
+
+    check_ok(launch_train(2, args))
+    assert_bitwise_equal(run_dir, reference)
+
+
+@pytest.mark.slow
+def test_one_process_stops_on_sigint_refuses_a_resume_early_and_resumes_from_any_directory(
+    common, launched, tmp_path
+):
+    """Plain `python launch/train.py`: SIGINT stops it with a checkpoint (exit 75). A resume that
+    breaks the contract is refused before the target loads, with exit 2 and one message, and leaves
+    config.yaml alone. train.resume accepts a checkpoint copied under any name: the step comes from
+    its state, and the run finishes, checkpoint and export included."""
+    run_dir = tmp_path / "run"
+    args = [*common, "backend=fsdp", f"output_dir={run_dir}"]
+    log = tmp_path / "sigint.log"
+    process = launched(plain(1, args), log)
+    wait_for_step(log, random.randint(1, 4), process)
+    process.send_signal(signal.SIGINT)
+    assert process.wait(timeout=TIMEOUT_S) == EXIT_STOPPED, log.read_text()[-4000:]
+    stopped = assert_stopped_without_loss(run_dir, at_least=1)
+    assert f"stopped on a SIGINT after step {stopped} of {STEPS}" in log.read_text()
+    config = (run_dir / "config.yaml").read_text()
+
+    refused = launch_train(1, [*args, "objective.num_anchors=9"])
+    assert refused.returncode == EXIT_USER_ERROR
+    assert re.search(r"num_anchors: saved 8, new 9", refused.stderr)
+    assert refused.stderr.count("error:") == 1 and "Traceback" not in refused.stderr
+    assert "target parameters" not in refused.stdout  # refused before the target was loaded
+    assert "[dflash2] data" not in refused.stdout  # and before the data was tokenised
+    assert (run_dir / "config.yaml").read_text() == config
+
+    copy = tmp_path / "kept-for-later"
+    shutil.copytree(find_latest(run_dir), copy)
+    elsewhere = tmp_path / "elsewhere"
+    resume = [*common, "backend=fsdp", f"output_dir={elsewhere}", f"train.resume={copy}", "train.export=true"]
+    resumed = check_ok(launch_train(1, resume))
+    assert f"resumed from {copy} at step {stopped}" in resumed.stdout
+    assert logged_steps(elsewhere) == list(range(stopped + 1, STEPS + 1))
+    assert saved_step(elsewhere) == STEPS and (elsewhere / "export" / "model.safetensors").is_file()
+
+
+# ------------------------------------------------------------------ the pieces, fast
+
+
+STOP_REQUEST_SCRIPT = """
+import os, signal, time
+from dflash2.faults import stop_request
+stop_request.install()
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.3)
+os.kill(os.getpid(), signal.SIGUSR1)  # within the window: the same request, forwarded by a launcher
+time.sleep(0.3)
+print("still running, asked by", stop_request.signal_name, flush=True)
+time.sleep(2.0)
+os.kill(os.getpid(), signal.SIGINT)  # later: a second request aborts at once
+time.sleep(10)
+print("not aborted", flush=True)
+"""
+
+
+def test_the_first_stop_signal_asks_repeats_are_one_request_and_a_later_one_aborts():
+    result = subprocess.run(
+        [sys.executable, "-c", STOP_REQUEST_SCRIPT], cwd=REPO, capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == -signal.SIGINT, result.stderr
+    assert "still running, asked by SIGTERM" in result.stdout and "not aborted" not in result.stdout
+    assert "SIGTERM: stopping after this optimizer step" in result.stderr
+    assert "second signal (SIGINT): aborting" in result.stderr
+
+
+class VotingBackend:
+    """all_reduce_sum over this rank and `others` (the other ranks' votes)."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, others: list[float]) -> None:
+        self.others = others
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor + sum(self.others)
+
+
+def test_every_rank_stops_when_any_rank_was_asked():
+    request = StopRequest()
+    assert not request.agreed(VotingBackend([0.0, 0.0]))
+    assert request.agreed(VotingBackend([0.0, 1.0]))  # another rank got the signal
+    assert request.agreed(VotingBackend([0.0]), requested=True)
+    request.signal_name = "SIGUSR1"
+    assert request.agreed(VotingBackend([0.0]))
+
+
+LAUNCHED_WORKER = """
+import os, sys, time
+from dflash2.faults import exit_with_launcher, stop_request
+exit_with_launcher()
+stop_request.install()
+print(os.getpid(), flush=True)
+while stop_request.signal_name is None:
+    time.sleep(0.05)
+print(stop_request.describe(), flush=True)
+"""
+
+
+def test_a_worker_is_told_to_stop_when_its_launcher_dies(launched, tmp_path):
+    out, script = tmp_path / "worker.out", tmp_path / "worker.py"
+    script.write_text(LAUNCHED_WORKER)
+    # the launcher: a shell that starts the worker (with RANK set, as launchers do) and waits for it
+    launcher = launched(
+        ["bash", "-c", f"RANK=0 '{sys.executable}' '{script}' > '{out}' & wait"], tmp_path / "log"
+    )
+    deadline = time.monotonic() + 60
+    while not (out.exists() and out.read_text().strip()):
+        assert time.monotonic() < deadline and launcher.poll() is None, (tmp_path / "log").read_text()
+        time.sleep(0.05)
+    worker = int(out.read_text().split()[0])
+    launched.track([worker])
+    launcher.kill()
+    launcher.wait()
+    wait_gone([worker], timeout=10)
+    assert out.read_text().splitlines()[1] == "SIGTERM (the launcher died)"
+
+
+def test_a_failed_collective_ends_the_workers_of_its_job_and_nothing_else(launched, tmp_path):
+    """A worker whose collective failed SIGKILLs its sibling workers (a frozen one would ignore
+    SIGTERM), but not another child of the same parent that is no worker of the job."""
+    sleeper = "import time; time.sleep(60)"
+    ender = "from dflash2.faults import end_sibling_workers, exit_with_launcher; exit_with_launcher(); end_sibling_workers()"
+    job = "RANK={rank} WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=29999"
+    py = f"'{sys.executable}'"
+    script = (
+        f"{py} -c '{sleeper}' & echo $! > {tmp_path}/other; "  # not a worker: no RANK
+        f"{job.format(rank=1)} {py} -c '{sleeper}' & echo $! > {tmp_path}/sibling; "
+        f"sleep 1; {job.format(rank=0)} {py} -c '{ender}'; wait"
+    )
+    launched(["bash", "-c", script], tmp_path / "log")
+    deadline = time.monotonic() + 60
+    while not all((tmp_path / name).exists() for name in ("other", "sibling")):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    other, sibling = (int((tmp_path / name).read_text()) for name in ("other", "sibling"))
+    launched.track([other, sibling])
+    wait_gone([sibling], timeout=30)
+    assert alive(other)
+
+
+def test_launcher_exit_code_is_the_workers():
+    assert job_exit_code([EXIT_STOPPED, EXIT_STOPPED]) == EXIT_STOPPED
+    assert job_exit_code([EXIT_STOPPED, -signal.SIGTERM]) == EXIT_STOPPED  # ended while exiting
+    assert job_exit_code([EXIT_USER_ERROR, EXIT_USER_ERROR]) == EXIT_USER_ERROR
+    assert job_exit_code([EXIT_USER_ERROR, -signal.SIGTERM]) == EXIT_USER_ERROR
+    assert job_exit_code([EXIT_STOPPED, EXIT_FAILED]) == EXIT_FAILED
+    assert job_exit_code([EXIT_USER_ERROR, EXIT_FAILED]) == EXIT_FAILED
+    assert job_exit_code([-signal.SIGKILL]) == EXIT_FAILED
+
+
+def test_a_timed_out_collective_names_the_rank_and_the_operation(monkeypatch):
+    monkeypatch.setenv(TIMEOUT_ENV, "15")
+    gloo = "[third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 15000ms for recv"
+    with pytest.raises(ReportedError, match=r"rank 0: training step 7 did not complete: .*Timed out.*15 s"):
+        with collective_section("training step 7"):
+            raise RuntimeError(gloo)
+    with pytest.raises(RuntimeError, match="^not a collective$"):  # any other error passes unchanged
+        with collective_section("training step 7"):
+            raise RuntimeError("not a collective")
+
+
+def test_collective_timeout_setting(monkeypatch):
+    monkeypatch.delenv(TIMEOUT_ENV, raising=False)
+    assert collective_timeout().total_seconds() == 600
+    monkeypatch.setenv(TIMEOUT_ENV, "12.5")
+    assert collective_timeout().total_seconds() == 12.5
+    for bad in ("0", "-3", "ten"):
+        monkeypatch.setenv(TIMEOUT_ENV, bad)
+        with pytest.raises(ValueError, match=f"{TIMEOUT_ENV}='{bad}': give the collective timeout"):
+            collective_timeout()
+
+
+def test_metrics_are_trimmed_to_the_resumed_step(tmp_path):
+    from dflash2.train_log import trim_metrics
+
+    path = tmp_path / "metrics.jsonl"
+    lines = [json.dumps({"step": step, "loss": 1.0 / step}) for step in range(1, 6)]
+    path.write_text("\n".join(lines) + '\n{"step": 6, "lo')  # torn by a crash mid-write
+    trim_metrics(path, 3)
+    assert path.read_text() == "\n".join(lines[:3]) + "\n"
+    trim_metrics(path, 0)  # a run started over
+    assert path.read_text() == ""
