@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,43 @@ import pytest
 from dflash2.data.tiny_default import TinyDefault, build_tiny_default
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# DeepSpeed JIT-compiles a shared-memory comm op at its first init_distributed, in every rank at once
+# behind a lock file. A rank killed mid-build (a test's timeout, a fault test's SIGKILL, torchrun's
+# SIGTERM to the survivors of a failed rank) leaves that lock behind, and every later DeepSpeed run
+# then waits on it forever. So the tests build the op once, in one process, before any run starts,
+# into a directory of this checkout's virtualenv (not shared with other checkouts).
+os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".venv" / "torch_extensions"))
+DEEPSPEED_OP_BUILD = (
+    "from deepspeed.accelerator import get_accelerator\n"
+    "builder = get_accelerator().create_op_builder('ShareMemCommBuilder')\n"
+    "builder is None or builder.load()\n"
+)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def deepspeed_ops_built() -> None:
+    extensions = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    if list(extensions.glob("**/deepspeed_shm_comm/deepspeed_shm_comm*.so")):
+        return
+    for stale in extensions.glob("**/deepspeed_shm_comm/lock"):
+        stale.unlink()  # no finished build: a lock here is a killed build's (no test runs yet)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    build = subprocess.run(
+        [sys.executable, "-c", DEEPSPEED_OP_BUILD], env=env, capture_output=True, text=True, timeout=900
+    )
+    if build.returncode != 0:
+        pytest.exit(
+            f"building DeepSpeed's comm op failed:\n{build.stdout[-3000:]}\n{build.stderr[-3000:]}", 1
+        )
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """A failure's tail as it happens, so that a CI log cut short by its time limit still says what
+    failed and why (pytest itself prints failures only at the end)."""
+    if report.failed:
+        tail = str(report.longrepr)[-2500:]
+        sys.stderr.write(f"\nFAILED {report.nodeid} ({report.when}, {report.duration:.0f} s):\n{tail}\n")
 
 
 @pytest.fixture(scope="session")
