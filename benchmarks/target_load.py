@@ -16,8 +16,8 @@ fresh `torchrun --nproc_per_node --ranks` job loads it with FSDP2:
 
 Each rank resets the kernel's peak-RSS mark (`/proc/self/clear_refs`, Linux) just before loading,
 takes the current RSS as its baseline and reports `VmHWM - baseline` (the peak increase) after the
-load, as a multiple of the target's size on disk. Every method then runs the same forward with
-`output_hidden_states`; its features (every layer's hidden states) are compared bitwise with the
+load, as a multiple of the target's size on disk. Every method then runs the same forward;
+its features (every decoder layer's output) are compared bitwise with the
 full load's.
 
 Example (docs/benchmarks.md has the recorded run):
@@ -140,6 +140,7 @@ def load(method: str, backend, target_dir: str):
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
+    from dflash2.capture import target_features
     from dflash2.distributed import build_backend, init_distributed, shutdown_distributed
 
     init_distributed("fsdp")
@@ -149,10 +150,12 @@ def worker(args: argparse.Namespace) -> None:
     target = load(args.worker, backend, args.target_dir)
     peak_kib = _status_kib("VmHWM")
     input_ids = torch.randint(0, 32000, (2, 16), generator=torch.Generator().manual_seed(0))
-    hidden = backend.target_hidden_states(target, input_ids, torch.ones_like(input_ids))
+    batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
+    every_layer = list(range(target.config.num_hidden_layers))
+    features = target_features(backend, target, batch, every_layer)
     out, rank = Path(args.out_dir), dist.get_rank()
     if rank == 0:
-        save_file({"hidden": torch.stack(hidden).contiguous()}, str(out / "features.safetensors"))
+        save_file({"hidden": features.contiguous()}, str(out / "features.safetensors"))
     result = {"rank": rank, "baseline_kib": baseline_kib, "peak_kib": peak_kib}
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     shutdown_distributed()

@@ -90,8 +90,9 @@ def compare_with_full_load(backend, target_dirs: list[str], out: Path) -> None:
         loaded["full"] = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
         tensors, tied = {}, {}
         for name, model in loaded.items():
-            hidden = backend.target_hidden_states(model, input_ids, attention_mask)
-            tensors[f"{name}.hidden"] = torch.stack([h.cpu() for h in hidden]).contiguous()
+            every_layer = list(range(model.config.num_hidden_layers))
+            batch = {"input_ids": input_ids, "attention_mask": attention_mask}
+            tensors[f"{name}.hidden"] = target_features(backend, model, batch, every_layer).cpu().contiguous()
             persistent = set(model.state_dict())
             for key, buffer in model.named_buffers():
                 if key not in persistent:
