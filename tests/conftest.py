@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from dflash2.data.tiny_default import TinyDefault, build_tiny_default
 
@@ -50,6 +51,15 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.failed:
         tail = str(report.longrepr)[-2500:]
         sys.stderr.write(f"\nFAILED {report.nodeid} ({report.when}, {report.duration:.0f} s):\n{tail}\n")
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Models this small run fastest on one thread (and do not slow down next to other jobs)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -15,6 +15,7 @@ from tests.draft_helpers import randomize_, tiny_draft_config
 
 HIDDEN, NUM_LAYERS = 64, 4
 PROMPT = [5, 17, 42, 8, 99, 3, 250, 61]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def build_target(
@@ -87,15 +88,6 @@ def build_random_draft(
     if architecture == "DFlash2DraftModel":
         cfg["dflash_config"]["selector_top_k"] = top_k
     return randomize_(build_draft(cfg), seed=seed).eval()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Models this small run fastest on one thread (and do not slow down next to other jobs)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

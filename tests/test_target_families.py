@@ -46,14 +46,7 @@ from tests.target_families import (
 )
 
 PROMPT = [5, 17, 42, 8, 99, 3, 250, 61]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="session")
