@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -109,3 +110,11 @@ def wait_for_line(log: Path, text: str, process: subprocess.Popen) -> None:
 def wait_for_step(log: Path, step: int, process: subprocess.Popen) -> None:
     """Until the console line of `step` (`step N/...`, logged by rank 0) is in the log of a launch."""
     wait_for_line(log, f"step {step}/", process)
+
+
+def seeded_rng() -> random.Random:
+    """The random draws of a fault test (which step, which rank, which signal): a new seed every run,
+    printed, so that a failure shows it with its captured output; DFLASH2_TEST_SEED=<seed> replays it."""
+    seed = int(os.environ.get("DFLASH2_TEST_SEED") or random.randrange(2**32))
+    print(f"fault test seed {seed} (DFLASH2_TEST_SEED={seed} replays these draws)")
+    return random.Random(seed)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import shutil
 import signal
@@ -34,6 +33,7 @@ from tests.run_helpers import (
     children,
     launch_train,
     metrics,
+    seeded_rng,
     tiny_subset,
     torchrun,
     wait_for_step,
@@ -113,7 +113,7 @@ def test_fsdp_launcher_death_frozen_rank_and_forwarded_usr1_lose_no_step(common,
     launch/torchrun.py, which forwards it, and SIGTERM every worker at the same time (as srun signals
     every process of a step): one request, exit 75. (4) The run then ends bitwise equal to an
     uninterrupted one, each step logged once."""
-    rng = random.Random()
+    rng = seeded_rng()
     reference, run_dir = tmp_path / "reference", tmp_path / "run"
     args = [*common, "backend=fsdp", f"output_dir={run_dir}"]
     check_ok(launch_train(2, [*common, "backend=fsdp", f"output_dir={reference}"]))
@@ -171,7 +171,7 @@ def test_deepspeed_ranks_agree_to_stop_when_one_rank_gets_the_signal(common, lau
     """ZeRO-3, two ranks under launch/torchrun.py: SIGUSR1 reaches one rank only (SLURM's `--signal`
     may reach some processes only); both stop after the same step, with one checkpoint, and the
     launcher exits 75. The run then ends bitwise equal to an uninterrupted one."""
-    rng = random.Random()
+    rng = seeded_rng()
     reference, run_dir = tmp_path / "reference", tmp_path / "run"
     args = [*common, "backend=deepspeed", f"output_dir={run_dir}"]
     check_ok(launch_train(2, [*common, "backend=deepspeed", f"output_dir={reference}"]))
@@ -201,7 +201,7 @@ def test_one_process_stops_on_sigint_refuses_a_resume_early_and_resumes_from_any
     args = [*common, "backend=fsdp", f"output_dir={run_dir}"]
     log = tmp_path / "sigint.log"
     process = launched(plain(1, args), log)
-    wait_for_step(log, random.randint(1, 4), process)
+    wait_for_step(log, seeded_rng().randint(1, 4), process)
     process.send_signal(signal.SIGINT)
     assert process.wait(timeout=TIMEOUT_S) == EXIT_STOPPED, log.read_text()[-4000:]
     stopped = assert_stopped_without_loss(run_dir, at_least=1)
