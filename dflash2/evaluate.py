@@ -37,7 +37,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash2.config import require_path
+from dflash2.config import require_path, torch_dtype
 from dflash2.data.jsonl import SampleError, iter_lines, parse_sample, prompt_turns
 from dflash2.data.render import encode_prompt, stop_token_ids
 from dflash2.errors import add_debug_flag, run_main
@@ -435,15 +435,17 @@ def evaluate(
     tb_dir: str | Path | None = None,
     plot_path: str | Path | None = None,
     device: str = "cpu",
+    precision: str = "fp32",
     chat_template_kwargs: dict | None = None,
 ) -> dict:
     """Load an export and its target, decode the first `num_prompts` prompts of `data_jsonl`,
-    and return (and optionally write) the summary. `chat_template_kwargs` None: the training run's."""
+    and return (and optionally write) the summary. `chat_template_kwargs` None: the training run's.
+    `precision` ("fp32" | "bf16"): the dtype of the target, the draft and the head."""
     if num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
     chat_template_kwargs, step, notes = run_settings(draft_dir, chat_template_kwargs)
     torch.manual_seed(seed)
-    draft, target, head, tokenizer = load_models(draft_dir, target_dir, device)
+    draft, target, head, tokenizer = load_models(draft_dir, target_dir, device, torch_dtype(precision))
     prompts = [
         encode_prompt(m, tokenizer, chat_template_kwargs) for m in read_prompts(data_jsonl, num_prompts)
     ]
@@ -463,6 +465,7 @@ def evaluate(
         data=str(data_jsonl),
         temperature=temperature,
         seed=seed,
+        precision=precision,
         step=step,
         chat_template_kwargs=chat_template_kwargs,
         notes=notes,
@@ -489,6 +492,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--precision",
+        choices=("fp32", "bf16"),
+        default="fp32",
+        help="dtype of the target, the draft and the head (bf16: what a server runs, and half the memory "
+        "of fp32 for a large target on a GPU)",
+    )
     parser.add_argument("--out", help="write the summary JSON here")
     parser.add_argument("--tb-dir", help="write TensorBoard scalars (eval/...) here")
     parser.add_argument("--plot", help="write a PNG of the acceptance histogram here")
@@ -516,6 +526,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         tb_dir=args.tb_dir,
         plot_path=args.plot,
         device=args.device,
+        precision=args.precision,
         chat_template_kwargs=args.chat_template_kwargs,
     )
     for note in summary["notes"]:

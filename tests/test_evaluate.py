@@ -364,3 +364,28 @@ def test_evaluation_defaults_to_the_training_run_of_the_export(tmp_path):
     kwargs, step, notes = ev.run_settings(tmp_path, {"enable_thinking": True})
     assert kwargs == {"enable_thinking": True} and step == 300
     assert len(notes) == 1 and "differ from the training run's {'enable_thinking': False}" in notes[0]
+
+
+def test_cli_evaluates_in_bf16_when_asked(tiny_default, tmp_path, monkeypatch):
+    """--precision bf16 loads the target, the draft and the head in bf16 (fp32 by default)."""
+    from dflash2.export import export_draft
+    from tests.conftest import REPO_ROOT
+
+    torch.manual_seed(0)
+    draft = build_draft(REPO_ROOT / "configs" / "draft" / "tiny-dflash2.json")
+    export = export_draft(draft, tmp_path / "export", dtype=torch.float32)
+    loaded = []
+    load_models = ev.load_models
+
+    def spy(*args):
+        models = load_models(*args)
+        loaded.append({next(m.parameters()).dtype for m in models[:2]} | {models[2].lm_head_weight.dtype})
+        return models
+
+    monkeypatch.setattr(ev, "load_models", spy)
+    common = ["--draft", str(export), "--target", str(tiny_default.target_dir)]
+    common += ["--data", str(tiny_default.heldout_jsonl), "--num-prompts", "1", "--max-new-tokens", "8"]
+    summaries = [ev.main(common), ev.main([*common, "--precision", "bf16"])]
+    assert loaded == [{torch.float32}, {torch.bfloat16}]
+    assert [s["precision"] for s in summaries] == ["fp32", "bf16"]
+    assert all(1 <= s["generated_tokens"] <= 8 for s in summaries)
