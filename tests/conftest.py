@@ -12,14 +12,16 @@ import pytest
 import torch
 
 from dflash2.data.tiny_default import TinyDefault, build_tiny_default
+from dflash2.distributed.env import extensions_dir, stale_build_locks
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # DeepSpeed JIT-compiles a shared-memory comm op at its first init_distributed, in every rank at once
 # behind a lock file. A rank killed mid-build (a test's timeout, a fault test's SIGKILL, torchrun's
 # SIGTERM to the survivors of a failed rank) leaves that lock behind, and every later DeepSpeed run
-# then waits on it forever. So the tests build the op once, in one process, before any run starts,
-# into a directory of this checkout's virtualenv (not shared with other checkouts).
+# would then wait on it forever (a run refuses to start on a lock older than any build:
+# dflash2.distributed.env.check_build_locks). So the tests build the op once, in one process, before
+# any run starts, into a directory of this checkout's virtualenv (not shared with other checkouts).
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO_ROOT / ".venv" / "torch_extensions"))
 DEEPSPEED_OP_BUILD = (
     "from deepspeed.accelerator import get_accelerator\n"
@@ -30,11 +32,11 @@ DEEPSPEED_OP_BUILD = (
 
 @pytest.fixture(scope="session", autouse=True)
 def deepspeed_ops_built() -> None:
-    extensions = Path(os.environ["TORCH_EXTENSIONS_DIR"])
+    extensions = extensions_dir()
+    for stale in stale_build_locks(extensions):
+        stale.unlink()  # a killed build's, in this checkout's own directory
     if list(extensions.glob("**/deepspeed_shm_comm/deepspeed_shm_comm*.so")):
         return
-    for stale in extensions.glob("**/deepspeed_shm_comm/lock"):
-        stale.unlink()  # no finished build: a lock here is a killed build's (no test runs yet)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     build = subprocess.run(
         [sys.executable, "-c", DEEPSPEED_OP_BUILD], env=env, capture_output=True, text=True, timeout=900

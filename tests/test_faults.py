@@ -372,3 +372,29 @@ def test_metrics_are_trimmed_to_the_resumed_step(tmp_path):
     assert path.read_text() == "\n".join(lines[:3]) + "\n"
     trim_metrics(path, 0)  # a run started over
     assert path.read_text() == ""
+
+
+def test_a_killed_builds_lock_refuses_a_deepspeed_start_instead_of_hanging(common, tmp_path):
+    """DeepSpeed waits forever on the lock file of an op build that was killed part-way: the run
+    refuses to start instead (exit 2, one message naming the file); a fresh lock is a build in progress."""
+    from dflash2.distributed.env import BUILD_LOCK_STALE_S, stale_build_locks
+
+    extensions = tmp_path / "extensions"
+    stale, fresh = extensions / "py311_cpu" / "deepspeed_shm_comm" / "lock", extensions / "other" / "lock"
+    for lock in (stale, fresh):
+        lock.parent.mkdir(parents=True)
+        lock.touch()
+    old = time.time() - BUILD_LOCK_STALE_S - 60
+    os.utime(stale, (old, old))
+    assert stale_build_locks(extensions) == [stale]
+
+    run = launch_train(
+        1,
+        [*common, "backend=deepspeed", f"output_dir={tmp_path / 'run'}"],
+        extra_env={"TORCH_EXTENSIONS_DIR": str(extensions)},
+        timeout=120,
+    )
+    assert run.returncode == EXIT_USER_ERROR, run.stdout[-2000:] + run.stderr[-3000:]
+    assert f"error: {stale}: a build lock older than 15 min" in run.stderr
+    assert "delete it and start again" in run.stderr and "Traceback" not in run.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -6,6 +6,7 @@ import json
 import os
 import socket
 import sys
+import time
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Literal
@@ -19,6 +20,34 @@ from dflash2.faults import collective_timeout
 
 BackendName = Literal["deepspeed", "fsdp"]
 BACKEND_NAMES = ("deepspeed", "fsdp")
+# DeepSpeed JIT-compiles ops (on CPU, its shared-memory comm op at init_distributed) behind a `lock`
+# file in the torch extensions directory; those builds take seconds to a few minutes
+BUILD_LOCK_STALE_S = 900.0
+
+
+def extensions_dir() -> Path:
+    """Where torch (and so DeepSpeed) builds JIT extensions."""
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+
+
+def stale_build_locks(root: Path, max_age_s: float = BUILD_LOCK_STALE_S) -> list[Path]:
+    """Build locks under `root` older than any build: left by a build that was killed part-way."""
+    now = time.time()
+    locks = [*root.glob("*/lock"), *root.glob("*/*/lock")] if root.is_dir() else []
+    return [lock for lock in locks if now - lock.stat().st_mtime > max_age_s]
+
+
+def check_build_locks() -> None:
+    """A killed build's lock makes every later DeepSpeed start wait on it forever, printing nothing:
+    refuse to start instead, naming the file."""
+    stale = stale_build_locks(extensions_dir())
+    if stale:
+        names = ", ".join(str(lock) for lock in stale)
+        raise ValueError(
+            f"{names}: a build lock older than {BUILD_LOCK_STALE_S / 60:.0f} min, left by a DeepSpeed op "
+            "build that was killed part-way; DeepSpeed would wait on it forever. Unless a job on this "
+            "machine is still compiling, delete it and start again"
+        )
 
 
 def _free_port() -> int:
@@ -75,6 +104,8 @@ def init_distributed(backend_name: BackendName) -> tuple[int, int, int]:
         timeout = collective_timeout()
         if backend_name == "deepspeed":
             import deepspeed
+
+            check_build_locks()
 
             deepspeed.init_distributed(dist_backend=comm, auto_mpi_discovery=False, timeout=timeout)
         else:
