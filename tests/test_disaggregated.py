@@ -220,3 +220,15 @@ def test_two_deepspeed_capture_ranks_share_the_target_and_match_colocated(coloca
     # ZeRO-3 instead of FSDP2 reduces the gradients in another order: equal up to fp32 rounding
     assert losses(tmp_path) == pytest.approx(losses(colocated), rel=1e-6)
     assert check_export(tmp_path / "export") == []
+
+
+@pytest.mark.slow
+def test_a_disaggregated_run_resumes_on_fewer_trainer_ranks(fsdp_disaggregated, common, tmp_path):
+    """Elastic resume in the disaggregated topology: 1 capture + 2 trainers to step 2, then 1 capture +
+    1 trainer (2 accumulation steps for the same global batch): the uninterrupted run's losses."""
+    args = [*common, f"output_dir={tmp_path}", "topology=disaggregated", "capture_ranks=1"]
+    check_ok(launch_train(3, [*args, "train.save_every=2", "train.stop_at_step=2"]))
+    resumed = check_ok(launch_train(2, [*args, "train.global_batch_size=4"]))
+    assert "resumed from" in resumed.stdout
+    assert "micro-batch 2 x 2 accumulation steps x 1 ranks" in resumed.stdout
+    assert losses(tmp_path) == pytest.approx(losses(fsdp_disaggregated[0]), rel=1e-6)
