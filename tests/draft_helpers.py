@@ -89,3 +89,13 @@ def random_head(seed: int = 1) -> TargetHead:
 def random_features(seq_len: int, batch: int = 1, seed: int = 2, num_layers: int = 3) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(batch, seq_len, num_layers * HIDDEN, generator=gen)
+
+
+def plain_greedy(target, prompt: list[int], num_tokens: int) -> list[int]:
+    """Reference greedy decoding: a full forward over the whole sequence for every token (no cache,
+    no state to roll back)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(num_tokens):
+            ids.append(int(target(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt) :]

@@ -11,7 +11,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash2 import evaluate as ev
 from dflash2.models import TargetHead, build_draft
-from tests.draft_helpers import randomize_, tiny_draft_config
+from tests.draft_helpers import plain_greedy, randomize_, tiny_draft_config
 
 HIDDEN, NUM_LAYERS = 64, 4
 PROMPT = [5, 17, 42, 8, 99, 3, 250, 61]
@@ -98,15 +98,6 @@ def target():
 @pytest.fixture(scope="module")
 def head(target):
     return TargetHead.from_target(target)
-
-
-def plain_greedy(target, prompt: list[int], num_tokens: int) -> list[int]:
-    """Reference: full forward over the whole sequence for every token (no cache)."""
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(num_tokens):
-            ids.append(int(target(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 @pytest.mark.parametrize("architecture", ["DFlashDraftModel", "DFlash2DraftModel"])

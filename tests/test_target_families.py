@@ -32,7 +32,7 @@ from dflash2.capture.head import load_target_head
 from dflash2.models import TargetHead, build_draft
 from dflash2.target_state import TargetState
 from tests.dist_scripts.families import family_config, padded_batch
-from tests.draft_helpers import randomize_
+from tests.draft_helpers import plain_greedy, randomize_
 from tests.run_helpers import REPO, TIMEOUT_S, metrics, run, tiny_subset, torchrun
 from tests.target_families import (
     BY_NAME,
@@ -111,15 +111,6 @@ def test_head_from_safetensors_is_the_models_head(family_dirs, family):
 
 
 # ------------------------------------------------------------------ speculative decoding
-
-
-def plain_greedy(target, prompt: list[int], num_tokens: int) -> list[int]:
-    """Reference: a full forward over the whole sequence for every token (no cache, no state)."""
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(num_tokens):
-            ids.append(int(target(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt) :]
 
 
 def state_tensors(cache) -> dict[str, torch.Tensor]:
