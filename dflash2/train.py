@@ -185,9 +185,18 @@ def train_step(
         sums["input_tokens"] = sums.get("input_tokens", 0) + batch["attention_mask"].sum().float()
     with timer.region("optimizer"):
         stats = backend.step()
-    reduced = {k: backend.all_reduce_sum(v) for k, v in sums.items()}
+    reduced = all_reduce_metrics(backend, sums)
     # capture_s: time spent getting features (online capture, disk reads, or waiting for capture ranks)
     return reduced, {"capture_s": timer.seconds("capture"), **stats}
+
+
+def all_reduce_metrics(backend: Backend, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The step's metric sums (scalars and per-slot vectors) summed over the data-parallel ranks in one
+    collective, not one per metric."""
+    names = sorted(sums)
+    flat = [sums[k].reshape(-1) for k in names]
+    total = backend.all_reduce_sum(torch.cat(flat))
+    return {k: part.view(sums[k].shape) for k, part in zip(names, total.split([f.numel() for f in flat]))}
 
 
 # ------------------------------------------------------------------ loop
