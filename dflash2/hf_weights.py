@@ -25,3 +25,14 @@ def tensor_files(model_dir: str | Path) -> dict[str, Path] | None:
         weight_map = json.loads(index.read_text())["weight_map"]
         return {name: model_dir / file for name, file in weight_map.items()}
     return None
+
+
+def target_tensor_files(target_dir: str | Path) -> dict[str, Path]:
+    """tensor_files of `model.target`; a directory without safetensors is the user's to fix."""
+    files = tensor_files(target_dir)
+    if files is None:
+        raise ValueError(
+            f"model.target={str(target_dir)!r} has neither {SINGLE_FILE} nor {INDEX_FILE}; "
+            "point it at a Hugging Face directory saved with safetensors"
+        )
+    return files

@@ -11,25 +11,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from dflash2.hf_weights import INDEX_FILE, SINGLE_FILE, tensor_files
+from dflash2.hf_weights import target_tensor_files
 from dflash2.models.target_head import TargetHead, head_modules
-
-
-def checkpoint_files(target_dir: str | Path) -> dict[str, Path]:
-    """Tensor name -> the safetensors file of the target that holds it."""
-    files = tensor_files(target_dir)
-    if files is None:
-        raise ValueError(
-            f"model.target={str(target_dir)!r} has neither {SINGLE_FILE} nor {INDEX_FILE}; "
-            "point it at a Hugging Face directory saved with safetensors"
-        )
-    return files
 
 
 def target_num_parameters(target_dir: str | Path) -> int:
     """Elements of all tensors in the target's checkpoint, read from the safetensors headers only."""
     total = 0
-    files = checkpoint_files(target_dir)
+    files = target_tensor_files(target_dir)
     for file in sorted(set(files.values())):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
@@ -76,7 +65,7 @@ def load_target_head(
 
     Tied embeddings (no LM head tensor in the checkpoint, `tie_word_embeddings`) reuse the embedding.
     """
-    files = checkpoint_files(target_dir)
+    files = target_tensor_files(target_dir)
     embed_name, head_name, tied = _head_tensor_names(target_dir)
     if embed_name not in files:
         raise ValueError(

@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from dflash2.hf_weights import tensor_files
+from dflash2.hf_weights import target_tensor_files
 
 READ_BLOCK_BYTES = 16 << 20  # host memory in flight per read, whatever the tensor's size
 # safetensors dtype names (https://github.com/huggingface/safetensors, format.md)
@@ -220,12 +220,7 @@ def load_sharded_target(
 ) -> nn.Module:
     """Build on meta, `shard(model)` (fully_shard), materialise the local shards on `device` and read
     them from the safetensors files. Frozen, eval(). Each rank reads on its own (no collective)."""
-    files = tensor_files(target_dir)
-    if files is None:
-        raise ValueError(
-            f"model.target={target_dir!r} has neither model.safetensors nor model.safetensors.index.json; "
-            "point it at a Hugging Face directory saved with safetensors"
-        )
+    files = target_tensor_files(target_dir)
     model = build_on_meta(target_dir, dtype)
     model.requires_grad_(False)
     model.eval()
