@@ -19,13 +19,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from dflash2.faults import exit_with_launcher  # noqa: E402  (light: stdlib only)
+from dflash2.faults import exit_with_launcher, stop_request  # noqa: E402  (light: stdlib only)
 
 exit_with_launcher()  # first: a worker whose launcher dies while the heavy imports below run still stops
 
 from dflash2.config import check_run_paths, load_run_config  # noqa: E402
 from dflash2.errors import EXIT_STOPPED, add_debug_flag, run_main  # noqa: E402
-from dflash2.faults import stop_request  # noqa: E402
 from dflash2.run import run  # noqa: E402
 
 

@@ -35,7 +35,7 @@ from tests.run_helpers import (
     metrics,
     seeded_rng,
     tiny_subset,
-    torchrun,
+    train_command,
     wait_for_step,
     wait_gone,
 )
@@ -73,17 +73,22 @@ def wrapped(nproc: int, args: list[str]) -> list[str]:
     return [*command, str(TRAIN), "--config", str(TINY_CONFIG), *args]
 
 
-def plain(nproc: int, args: list[str]) -> list[str]:
-    launcher = [sys.executable] if nproc == 1 else torchrun(nproc)
-    return [*launcher, str(TRAIN), "--config", str(TINY_CONFIG), *args]
-
-
 def saved_step(run_dir: Path) -> int:
     return read_train_state(find_latest(run_dir)).step
 
 
 def logged_steps(run_dir: Path) -> list[int]:
     return [m["step"] for m in metrics(run_dir)]
+
+
+def started_until_step(launched, command: list[str], log: Path, step: int, extra_env: dict | None = None):
+    """Start `command` (a launcher) and wait until it has logged `step`: (launcher, its workers), the
+    workers tracked so that the test's end kills whatever is left of them."""
+    launcher = launched(command, log, extra_env)
+    wait_for_step(log, step, launcher)
+    workers = children(launcher.pid)
+    launched.track(workers)
+    return launcher, workers
 
 
 def assert_stopped_without_loss(run_dir: Path, at_least: int) -> int:
@@ -119,10 +124,7 @@ def test_fsdp_launcher_death_frozen_rank_and_forwarded_usr1_lose_no_step(common,
     check_ok(launch_train(2, [*common, "backend=fsdp", f"output_dir={reference}"]))
 
     log = tmp_path / "killed.log"
-    launcher = launched(plain(2, args), log)
-    wait_for_step(log, rng.randint(1, 3), launcher)
-    workers = children(launcher.pid)
-    launched.track(workers)
+    launcher, workers = started_until_step(launched, train_command(2, args), log, rng.randint(1, 3))
     assert len(workers) == 2, workers
     death = rng.choice([signal.SIGKILL, signal.SIGUSR1])
     launcher.send_signal(death)
@@ -133,10 +135,10 @@ def test_fsdp_launcher_death_frozen_rank_and_forwarded_usr1_lose_no_step(common,
     stopped = assert_stopped_without_loss(run_dir, at_least=1)
 
     log = tmp_path / "frozen.log"
-    job = launched(plain(2, args), log, extra_env={TIMEOUT_ENV: str(FROZEN_TIMEOUT_S)})
-    wait_for_step(log, stopped + rng.randint(1, 2), job)
-    workers = children(job.pid)
-    launched.track(workers)
+    frozen_env = {TIMEOUT_ENV: str(FROZEN_TIMEOUT_S)}
+    job, workers = started_until_step(
+        launched, train_command(2, args), log, stopped + rng.randint(1, 2), frozen_env
+    )
     os.kill(workers[rng.randrange(2)], signal.SIGSTOP)
     start = time.monotonic()
     job.wait(timeout=FROZEN_TIMEOUT_S + 60)
@@ -151,10 +153,7 @@ def test_fsdp_launcher_death_frozen_rank_and_forwarded_usr1_lose_no_step(common,
     assert saved_step(run_dir) == stopped  # what was trained since is lost, and trained again below
 
     log = tmp_path / "usr1.log"
-    launcher = launched(wrapped(2, args), log)
-    wait_for_step(log, stopped + rng.randint(1, 2), launcher)
-    workers = children(launcher.pid)
-    launched.track(workers)
+    launcher, workers = started_until_step(launched, wrapped(2, args), log, stopped + rng.randint(1, 2))
     launcher.send_signal(signal.SIGUSR1)
     for worker in workers:
         os.kill(worker, signal.SIGTERM)
@@ -177,10 +176,7 @@ def test_deepspeed_ranks_agree_to_stop_when_one_rank_gets_the_signal(common, lau
     check_ok(launch_train(2, [*common, "backend=deepspeed", f"output_dir={reference}"]))
 
     log = tmp_path / "usr1.log"
-    launcher = launched(wrapped(2, args), log)
-    wait_for_step(log, rng.randint(1, 4), launcher)
-    workers = children(launcher.pid)
-    launched.track(workers)
+    launcher, workers = started_until_step(launched, wrapped(2, args), log, rng.randint(1, 4))
     os.kill(workers[rng.randrange(2)], signal.SIGUSR1)
     assert launcher.wait(timeout=TIMEOUT_S) == EXIT_STOPPED, log.read_text()[-4000:]
     assert_stopped_without_loss(run_dir, at_least=1)
@@ -200,7 +196,7 @@ def test_one_process_stops_on_sigint_refuses_a_resume_early_and_resumes_from_any
     run_dir = tmp_path / "run"
     args = [*common, "backend=fsdp", f"output_dir={run_dir}"]
     log = tmp_path / "sigint.log"
-    process = launched(plain(1, args), log)
+    process = launched(train_command(1, args), log)
     wait_for_step(log, seeded_rng().randint(1, 4), process)
     process.send_signal(signal.SIGINT)
     assert process.wait(timeout=TIMEOUT_S) == EXIT_STOPPED, log.read_text()[-4000:]
