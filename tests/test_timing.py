@@ -69,7 +69,10 @@ def test_cpu_timer_reads_the_clock_like_perf_counter_and_never_synchronizes(monk
 
     monkeypatch.setattr(torch.cuda, "synchronize", no_cuda)
     device = FakeDevice()
-    timer = StepTimer(torch.device("cpu"), clock=lambda: device.now, cpu_clock=lambda: device.cpu)
+    reads = []
+    timer = StepTimer(
+        torch.device("cpu"), clock=lambda: reads.append(1) or device.now, cpu_clock=lambda: device.cpu
+    )
     timer.start_step()
     device.host(0.5)
     with timer.region("capture"):
@@ -79,9 +82,10 @@ def test_cpu_timer_reads_the_clock_like_perf_counter_and_never_synchronizes(monk
         device.host(0.75)
     assert timer.seconds("capture") == 2.75
     assert timer.step_seconds() == 4.25
+    before = len(reads)
     with timer.region("objective"):  # not timed without breakdown: no record, no clock read
         device.host(1.0)
-    assert timer.seconds("objective") == 0.0
+    assert timer.seconds("objective") == 0.0 and len(reads) == before
     timer.finish()
 
 
@@ -162,13 +166,16 @@ def test_cuda_device_synchronizes_that_device_by_default(monkeypatch):
 
 
 def test_misnested_close_is_an_error():
-    timer = StepTimer(torch.device("cpu"), breakdown=True)
+    device = FakeDevice()
+    timer = timer_on(device, asynchronous=False, breakdown=True)
     timer.start_step()
     timer.open("objective")
+    device.host(0.25)
     with pytest.raises(AssertionError, match="closing 'backward' inside 'objective'"):
         timer.close("backward")
+    device.host(0.5)
     timer.close("objective")  # the region stays open until closed by its own name
-    assert timer.seconds("objective") >= 0.0
+    assert timer.seconds("objective") == 0.75
 
 
 def test_a_run_synchronises_only_at_its_step_and_capture_boundaries():
