@@ -1,6 +1,10 @@
 """Tiny random checkpoints of every supported target family, saved with `save_pretrained` next to
 the tiny tokenizer (vocab 1024). Each has hidden size 128 and 6 decoder layers, so the tiny draft
-configs fit all of them; each is built in a second or two and cached per test session."""
+configs fit all of them; each is built in a second or two and cached per test session.
+
+One real pretrained checkpoint joins them in the matrix: SmolLM2-135M-Instruct (Llama, 30 layers,
+hidden 576, vocabulary 49152, tied embeddings), built by the tests' `smollm2` fixture
+(dflash2.fixtures.smollm2), with its own draft config (configs/draft/smollm2-dflash2.json)."""
 
 from __future__ import annotations
 
@@ -31,7 +35,8 @@ FAMILIES = (
     Family("gpt_oss", "GptOssForCausalLM", recurrent=False),
 )
 FAMILY_NAMES = tuple(f.name for f in FAMILIES)
-BY_NAME = {f.name: f for f in FAMILIES}
+SMOLLM2 = "smollm2"  # the real one: not built here (dflash2.fixtures.smollm2)
+BY_NAME = {f.name: f for f in (*FAMILIES, Family(SMOLLM2, "LlamaForCausalLM", recurrent=False))}
 
 _COMMON = dict(
     vocab_size=VOCAB,
@@ -132,15 +137,27 @@ def save_family(name: str, out_dir: Path, tokenizer_dir: Path, seed: int = 0) ->
 LAYER_IDS = (0, 2, NUM_LAYERS - 1)
 DRAFT_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "draft" / "tiny-dflash2.json"
 
+SMOLLM2_LAYERS = 30
+SMOLLM2_DRAFT_CONFIG = DRAFT_CONFIG.with_name("smollm2-dflash2.json")
+# what each real checkpoint of the matrix is: (its draft config, the layers it reads: both ends, one between)
+REAL = {SMOLLM2: (SMOLLM2_DRAFT_CONFIG, (0, SMOLLM2_LAYERS // 2, SMOLLM2_LAYERS - 1))}
 
-def family_draft_config(architecture: str = "DFlash2DraftModel", block_size: int = 8) -> dict:
-    """The tiny draft config (hidden 128, vocab 1024) reading target layers LAYER_IDS."""
+
+def layer_ids_of(name: str) -> tuple[int, ...]:
+    return REAL[name][1] if name in REAL else LAYER_IDS
+
+
+def family_draft_config(
+    architecture: str = "DFlash2DraftModel", block_size: int = 8, family: str | None = None
+) -> dict:
+    """The draft config of `family` reading its layers layer_ids_of(family): for the tiny families
+    (and by default) the tiny one (hidden 128, vocab 1024)."""
     import json
 
-    cfg = json.loads(DRAFT_CONFIG.read_text())
+    cfg = json.loads((REAL[family][0] if family in REAL else DRAFT_CONFIG).read_text())
     cfg["architectures"] = [architecture]
     dflash = cfg["dflash_config"]
-    dflash.update(target_layer_ids=list(LAYER_IDS), block_size=block_size)
+    dflash.update(target_layer_ids=list(layer_ids_of(family)), block_size=block_size)
     if architecture == "DFlashDraftModel":
         for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
             dflash.pop(key)

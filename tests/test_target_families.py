@@ -1,13 +1,15 @@
 """The matrix of target families (tests/target_families.py): Qwen3, Qwen3.5 hybrid (published
-vision-language form and causal-LM form), Qwen3-MoE, Llama, gpt-oss. For each, against independent
-references (Hugging Face's own forward, a cache-free greedy loop, the reference package):
+vision-language form and causal-LM form), Qwen3-MoE, Llama, gpt-oss, and the real pretrained
+SmolLM2-135M-Instruct (Llama, tied embeddings; its cases are marked slow: it is a 135 M model). For
+each, against independent references (Hugging Face's own forward, a cache-free greedy loop, the
+reference package):
 
 - the captured features are the outputs of the requested decoder layers, both ends of the range;
 - speculative decoding reproduces the target's greedy decoding, and after every verify step the
   target's whole state (KV, sliding windows, conv and recurrent states) equals the state of a
   fresh forward over exactly the committed tokens;
 - `python -m dflash2.plan` accepts the checkpoint's own config.json;
-- the head read from safetensors is the model's;
+- the head read from safetensors is the model's (a tied LM head is the embedding);
 - (slow) one 2-process launch per backend runs every family: online capture through the sharded
   target, offline capture, a few training steps, the export (checked, loaded by the reference package);
 - (slow) the serving gate passes on the hybrid vision-language checkpoint.
@@ -29,6 +31,7 @@ from dflash2 import evaluate as ev
 from dflash2 import plan
 from dflash2.capture import capture_layer_outputs
 from dflash2.capture.head import load_target_head
+from dflash2.fixtures.smollm2 import chat_prompt_ids
 from dflash2.models import TargetHead, build_draft
 from dflash2.target_state import TargetState
 from tests.dist_scripts.families import family_config, padded_batch
@@ -39,13 +42,18 @@ from tests.target_families import (
     FAMILY_NAMES,
     LAYER_IDS,
     NUM_LAYERS,
+    SMOLLM2,
     VOCAB,
     family_draft_config,
+    layer_ids_of,
     save_family,
     save_memorising_family,
 )
 
 PROMPT = [5, 17, 42, 8, 99, 3, 250, 61]
+REAL_PROMPT = "Write a short story about a cat who learns to swim."  # a chat prompt for a real model
+# every family, and the real SmolLM2 (slow: loading and running a 135 M model takes seconds per case)
+MATRIX = (*FAMILY_NAMES, pytest.param(SMOLLM2, marks=pytest.mark.slow))
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
@@ -53,6 +61,23 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 def family_dirs(tiny_default, tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
     return {name: save_family(name, root / name, tiny_default.target_dir) for name in FAMILY_NAMES}
+
+
+@pytest.fixture
+def family_dir(family_dirs, family, request):
+    """The checkpoint of the test's family; SmolLM2's is built (once) only when a test of it runs."""
+    if family == SMOLLM2:
+        return request.getfixturevalue("smollm2").target_dir
+    return family_dirs[family]
+
+
+def prompt_of(family: str, target_dir) -> list[int]:
+    """Random ids for a random model; a chat prompt for the real one (its reply is real text)."""
+    if family != SMOLLM2:
+        return PROMPT
+    from transformers import AutoTokenizer
+
+    return chat_prompt_ids(AutoTokenizer.from_pretrained(target_dir), REAL_PROMPT)
 
 
 def load_target(directory):
@@ -76,13 +101,15 @@ def hf_layer_outputs(model, input_ids, attention_mask, layer_ids) -> torch.Tenso
 # ------------------------------------------------------------------ capture
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
-def test_captured_features_are_the_layer_outputs(family_dirs, family):
-    model = load_target(family_dirs[family])
+@pytest.mark.parametrize("family", MATRIX)
+def test_captured_features_are_the_layer_outputs(family_dir, family):
+    model = load_target(family_dir)
+    layer_ids = layer_ids_of(family)
+    assert layer_ids[-1] == model.config.get_text_config().num_hidden_layers - 1
     input_ids, attention_mask = padded_batch()
-    with torch.no_grad(), capture_layer_outputs(model, LAYER_IDS) as captured:
+    with torch.no_grad(), capture_layer_outputs(model, layer_ids) as captured:
         model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=1)
-    expected = hf_layer_outputs(model, input_ids, attention_mask, LAYER_IDS)
+    expected = hf_layer_outputs(model, input_ids, attention_mask, layer_ids)
     real = attention_mask.bool()
     torch.testing.assert_close(captured.features()[real], expected[real], rtol=1e-5, atol=1e-5)
     # what the default hidden_states[L] holds instead: the final norm of the last layer's output
@@ -90,7 +117,7 @@ def test_captured_features_are_the_layer_outputs(family_dirs, family):
         normed_last = model(
             input_ids, attention_mask=attention_mask, output_hidden_states=True
         ).hidden_states[-1]
-    last = captured.outputs[NUM_LAYERS - 1]
+    last = captured.outputs[layer_ids[-1]]
     torch.testing.assert_close(normed_last, model.get_decoder().norm(last))
     assert not torch.allclose(normed_last, last, atol=1e-2)
 
@@ -102,12 +129,16 @@ def test_layer_ids_out_of_range_are_refused(family_dirs):
             pass
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
-def test_head_from_safetensors_is_the_models_head(family_dirs, family):
-    model = load_target(family_dirs[family])
-    head = load_target_head(family_dirs[family], torch.float32)
+@pytest.mark.parametrize("family", MATRIX)
+def test_head_from_safetensors_is_the_models_head(family_dir, family):
+    model = load_target(family_dir)
+    head = load_target_head(family_dir, torch.float32)
     assert torch.equal(head.embed_weight, model.get_input_embeddings().weight)
     assert torch.equal(head.lm_head_weight, model.get_output_embeddings().weight)
+    # SmolLM2 ties its LM head to the embedding: its checkpoint holds no lm_head tensor at all
+    tied = model.config.get_text_config().tie_word_embeddings
+    assert tied == (family == SMOLLM2)
+    assert torch.equal(head.lm_head_weight, head.embed_weight) == tied
 
 
 # ------------------------------------------------------------------ speculative decoding
@@ -163,7 +194,7 @@ class CheckedTargetState(TargetState):
         CheckedTargetState.num_checks += 1
 
 
-def corrupting_oracle(sequence: list[int], block_size: int):
+def corrupting_oracle(sequence: list[int], block_size: int, vocab_size: int = VOCAB):
     """A draft proposing the target's own continuation with slot (step % B) made wrong, so the
     steps accept 0, 1, ..., B-2 proposals and then a whole block, in turn."""
     num_steps = [0]
@@ -174,31 +205,34 @@ def corrupting_oracle(sequence: list[int], block_size: int):
         proposals = list(sequence[position + 1 : position + block_size])
         wrong = num_steps[0] % block_size
         if wrong < block_size - 1:
-            proposals[wrong] = (proposals[wrong] + 1) % VOCAB
+            proposals[wrong] = (proposals[wrong] + 1) % vocab_size
         num_steps[0] += 1
-        return torch.tensor(proposals), None, torch.full((block_size - 1, VOCAB), 1.0 / VOCAB)
+        return torch.tensor(proposals), None, torch.full((block_size - 1, vocab_size), 1.0 / vocab_size)
 
     return draft_block
 
 
-@pytest.mark.parametrize("family", FAMILY_NAMES)
-def test_greedy_speculative_decoding_is_the_targets_greedy_decoding(family_dirs, family, monkeypatch):
-    target = load_target(family_dirs[family])
+@pytest.mark.parametrize("family", MATRIX)
+def test_greedy_speculative_decoding_is_the_targets_greedy_decoding(family_dir, family, monkeypatch):
+    target = load_target(family_dir)
     head = TargetHead.from_target(target)
     block_size, num_tokens = 4, 33
-    draft = randomize_(build_draft(family_draft_config(block_size=block_size)), seed=3).eval()
-    reference = plain_greedy(target, PROMPT, num_tokens + block_size)
+    draft_config = family_draft_config(block_size=block_size, family=family)
+    draft = randomize_(build_draft(draft_config), seed=3).eval()
+    prompt = prompt_of(family, family_dir)
+    reference = plain_greedy(target, prompt, num_tokens + block_size)
 
     # a random draft: almost every proposal rejected
-    result = ev.speculative_generate(draft, target, head, PROMPT, max_new_tokens=num_tokens)
+    result = ev.speculative_generate(draft, target, head, prompt, max_new_tokens=num_tokens)
     assert result.output_ids == reference[:num_tokens]
-    assert ev.target_generate(target, PROMPT, max_new_tokens=num_tokens) == reference[:num_tokens]
+    assert ev.target_generate(target, prompt, max_new_tokens=num_tokens) == reference[:num_tokens]
 
     # every number of accepted proposals in turn, the whole state checked after each step
-    monkeypatch.setattr(ev, "draft_block", corrupting_oracle(PROMPT + reference, block_size))
+    vocab_size = draft_config["vocab_size"]
+    monkeypatch.setattr(ev, "draft_block", corrupting_oracle(prompt + reference, block_size, vocab_size))
     monkeypatch.setattr(ev, "TargetState", CheckedTargetState)
     CheckedTargetState.num_checks = 0
-    result = ev.speculative_generate(draft, target, head, PROMPT, max_new_tokens=num_tokens)
+    result = ev.speculative_generate(draft, target, head, prompt, max_new_tokens=num_tokens)
     assert result.output_ids == reference[:num_tokens]
     assert result.acceptance_lengths[:block_size] == [1, 2, 3, 4]
     assert CheckedTargetState.num_checks == len(result.acceptance_lengths)
