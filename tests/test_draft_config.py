@@ -192,3 +192,11 @@ def test_refusals_are_one_message_exit_2(smollm2, tiny_default, tmp_path, capsys
     err = refusal(capsys, *only)
     assert "has no tokenizer: pass --mask-token-id" in err
     assert not (tmp_path / "x.json").exists()
+
+
+def test_the_module_command_exits_2_with_one_line(smollm2, tmp_path):
+    command = [sys.executable, "-m", "dflash2.draft_config", "--target", str(smollm2.target_dir)]
+    command += ["--arch", "DFlash2DraftModel", "--out", str(tmp_path / "x.json"), "--conv-group-size", "7"]
+    proc = run(command)
+    assert proc.returncode == 2 and proc.stderr.startswith("error: --conv-group-size 7"), proc.stderr
+    assert proc.stderr.count("\n") == 1 and not (tmp_path / "x.json").exists()
