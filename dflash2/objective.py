@@ -317,7 +317,9 @@ class _ChunkedDistill(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, row_weights, teacher_states, teacher_index, terms, rows, top_k):
+    def forward(
+        ctx, hidden, weight, bias, labels, row_weights, teacher_states, teacher_index, terms, rows, top_k
+    ):
         need_grad = hidden.requires_grad
         grad = torch.zeros_like(hidden) if need_grad else None
         sums = hidden.new_zeros(4, dtype=torch.float32)  # loss, ce, kl, tv
@@ -375,7 +377,9 @@ def _teacher_probs(states, weight, bias, temperature, inverse):
     return p.index_select(0, inverse), neg_entropy[inverse]
 
 
-def _chunk_distill(hidden, weight, bias, labels, row_weights, states, inverse, terms: LossTerms, top_k, grad_out):
+def _chunk_distill(
+    hidden, weight, bias, labels, row_weights, states, inverse, terms: LossTerms, top_k, grad_out
+):
     """One chunk of _ChunkedDistill: (sums [4] = loss, ce, kl, tv; top-k ids; TV per row).
 
     KL(p || q) = sum p log p - sum p u + logsumexp(u); d/du: q - p. TV = 0.5 sum |p - q|;
@@ -416,7 +420,9 @@ def _chunk_distill(hidden, weight, bias, labels, row_weights, states, inverse, t
     return torch.cat([loss[None], parts]), ids, tv
 
 
-def distill_loss(hidden, head: TargetHead, labels, row_weights, teacher_states, teacher_index, terms, chunk_rows, top_k):
+def distill_loss(
+    hidden, head: TargetHead, labels, row_weights, teacher_states, teacher_index, terms, chunk_rows, top_k
+):
     """hidden [R, H] draft rows, teacher_states [P, H] the target's final-normed last hidden states,
     teacher_index [R] each row's teacher position in them -> DistillSums. A chunk holds a third of
     `chunk_rows` rows: its draft logits, the teacher's probabilities and one work buffer."""
@@ -543,7 +549,7 @@ def compute_objective(
     rows = weights > 0
     slot = torch.arange(1, block_size, device=rows.device).expand_as(rows)[rows] - 1  # [R], 0-based k-1
     h, y, w, pred = hidden[rows], labels[rows], weights[rows], predecessors[rows]
-    multiplier, cap, top_k = cfg.output_multiplier, cfg.softcap, cfg.top_k
+    multiplier, cap = cfg.output_multiplier, cfg.softcap
     selector = getattr(model, "candidate_selector", None)
 
     base_sum, topk_ids, metrics = _block_loss(h, y, w, rows, blocks, batch, head, cfg, naive)

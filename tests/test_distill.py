@@ -67,7 +67,9 @@ def random_rows(num_rows=9, num_positions=5, seed=0):
     ],
 )
 @pytest.mark.parametrize("chunk_rows", [3, 10_000])  # 1 row per chunk, and all rows in one
-def test_each_term_and_its_gradient_match_a_float64_loop(ce, kl, tv, multiplier, cap, temperature, chunk_rows):
+def test_each_term_and_its_gradient_match_a_float64_loop(
+    ce, kl, tv, multiplier, cap, temperature, chunk_rows
+):
     head = random_head()
     hidden, labels, weights, states, index = random_rows()
     terms = LossTerms(ce, kl, tv, temperature, multiplier, cap)
@@ -78,7 +80,9 @@ def test_each_term_and_its_gradient_match_a_float64_loop(ce, kl, tv, multiplier,
     want = slow_terms(ref_leaf, head, labels, weights, states, index, terms)
     want["loss"].backward()
     for name in ("loss", "ce", "kl", "tv"):
-        assert float(getattr(got, name).detach()) == pytest.approx(float(want[name].detach()), rel=1e-5, abs=1e-6), name
+        assert float(getattr(got, name).detach()) == pytest.approx(
+            float(want[name].detach()), rel=1e-5, abs=1e-6
+        ), name
     scale = float(ref_leaf.grad.abs().max())
     torch.testing.assert_close(leaf.grad.double(), ref_leaf.grad, rtol=1e-4, atol=1e-5 * scale)
     assert float(got.tv) > 0 and float(got.kl) > 0  # a real difference between the distributions
@@ -120,7 +124,12 @@ def test_tv_is_in_zero_one_and_zero_for_equal_distributions():
 
 def slow_objective(draft, head, batch, cfg, anchors, valid):
     """Each block alone; slot k of the block at anchor a against the teacher at a + k - 1."""
-    ids, mask, feats, last = batch["input_ids"], batch["loss_mask"], batch["features"], batch["target_last_hidden"]
+    ids, mask, feats, last = (
+        batch["input_ids"],
+        batch["loss_mask"],
+        batch["features"],
+        batch["target_last_hidden"],
+    )
     terms = cfg.loss_terms
     loss, weight, accept = torch.zeros((), dtype=torch.float64), 0.0, []
     for b in range(ids.shape[0]):
@@ -149,7 +158,9 @@ def test_objective_with_kl_and_tv_matches_a_per_block_loop():
     head, batch = random_head(), make_batch(1)
     batch["target_last_hidden"] = random_features(SEQ, batch=2, seed=7, num_layers=1)
     settings = dict(kl_weight=0.7, tv_weight=0.5, ce_weight=0.2, position_weighting="exponential")
-    cfg = ObjectiveConfig.for_draft(draft, num_anchors=4, logits_chunk_rows=5, selector_loss_alpha=0.0, **settings)
+    cfg = ObjectiveConfig.for_draft(
+        draft, num_anchors=4, logits_chunk_rows=5, selector_loss_alpha=0.0, **settings
+    )
     anchors, valid = sample_anchors(batch["loss_mask"], 4, torch.Generator().manual_seed(0))
     out = compute_objective(draft, head, batch, cfg, torch.Generator().manual_seed(0))
     out.loss_sum.backward()
