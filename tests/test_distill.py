@@ -18,6 +18,7 @@ from dflash2.objective import (
     summarize_metrics,
 )
 from tests.draft_helpers import HIDDEN, VOCAB, random_draft, random_features, random_head
+from tests.run_helpers import check_ok, launch_train, metrics, tiny_subset
 from tests.test_objective import grads, make_batch
 
 SEQ = 18
@@ -202,3 +203,43 @@ def test_conflicting_or_empty_loss_settings_name_the_fix():
         ObjectiveSection(loss_gamma=2.0, position_weighting="uniform")
     with pytest.raises(ValueError, match="set at least one > 0"):
         ObjectiveSection(ce_weight=0.0)
+
+
+# ---- real runs: both backends in 2 processes, and the disaggregated wire -------------------------
+
+DISTILL_RUN = ["objective.kl_weight=0.5", "objective.tv_weight=0.5", "objective.ce_weight=0.1"]
+
+
+@pytest.fixture(scope="module")
+def run_overrides(tiny_default, tmp_path_factory) -> list[str]:
+    data = tiny_subset(tiny_default, tmp_path_factory.mktemp("data"), 32)
+    return [
+        f"model.target={tiny_default.target_dir}",
+        f"data.train={data}",
+        "data.max_length=96",
+        "objective.num_anchors=8",
+        "train.micro_batch_size=2",
+        "train.max_steps=8",
+        "train.warmup_steps=0",
+        "train.lr=3e-3",
+        "train.log_every=1",
+        "train.progress_bar=false",
+        "train.export=false",
+        *DISTILL_RUN,
+    ]
+
+
+@pytest.mark.parametrize("backend", ["deepspeed", "fsdp"])
+def test_two_processes_train_kl_and_tv_with_finite_falling_loss(run_overrides, backend, tmp_path):
+    check_ok(launch_train(2, [*run_overrides, f"backend={backend}", f"output_dir={tmp_path}"]))
+    steps = metrics(tmp_path)
+    assert [m["step"] for m in steps] == list(range(1, 9))
+    for m in steps:
+        assert all(math.isfinite(m[name]) for name in ("loss", "ce_loss", "kl_loss", "tv_loss"))
+        assert 0 <= m["tv_loss"] <= 1 and 1 <= m["insample_accept_len_sampled"] <= 8
+        recombined = 0.1 * m["ce_loss"] + 0.5 * m["kl_loss"] + 0.5 * m["tv_loss"]
+        assert m["base_loss"] == pytest.approx(recombined, rel=1e-5)
+    first, last = steps[:2], steps[-2:]
+    # (different batches each step: TV, near 1 for a random draft, moves too little in 8 steps to rank)
+    for name in ("loss", "kl_loss"):
+        assert sum(m[name] for m in last) < sum(m[name] for m in first), name
