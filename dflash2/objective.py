@@ -396,7 +396,7 @@ def _chunk_distill(
     total = q.sum(dim=-1)
     lse = row_max + total.log()
     q.div_(total[:, None])
-    diff = p.neg_().add_(q)  # q - p, in p's buffer
+    diff = torch.sub(q, p, out=p)  # q - p, in p's buffer
     ce, kl = lse - gold, neg_entropy - p_dot_u + lse
     tv = (0.5 * torch.linalg.vector_norm(diff, ord=1, dim=-1)).clamp_(max=1.0)  # rounding can pass 1
     w = row_weights
@@ -413,7 +413,7 @@ def _chunk_distill(
         else:
             d.mul_((w * ce_w)[:, None])
         if kl_w:
-            d.add_(diff.mul_((w * kl_w)[:, None]))
+            d.addcmul_(diff, (w * kl_w)[:, None])
         if ce_w:
             d.scatter_add_(1, labels[:, None], -(w * ce_w)[:, None])
         _grad_to_hidden(d, du_dz, terms.multiplier, weight, grad_out)
