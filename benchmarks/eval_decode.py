@@ -44,6 +44,7 @@ from dflash2 import decode  # noqa: E402
 from dflash2.evaluate import encode_prompt, load_models, read_prompts  # noqa: E402
 from dflash2.models import TargetHead, build_draft  # noqa: E402
 from dflash2.models.config import default_target_layer_ids, load_config_dict  # noqa: E402
+from dflash2.target_state import use_decoding_layout  # noqa: E402
 from dflash2.timing import ITERATION, StepTimer  # noqa: E402
 
 TAUS = (1.5, 2.0, 3.0, 4.0)  # acceptance lengths the speedup is projected at
@@ -63,6 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--num-prompts", type=int, default=2)
     add("--window-steps", type=int, default=64, help="draft steps timed at the start and at the end")
     add("--device", default="cpu")
+    add("--plain-layout", action="store_true", help="keep the weights as loaded (no use_decoding_layout)")
     add("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     add("--json", type=Path, default=None, help="write the report to this JSON file")
     args = parser.parse_args(argv)
@@ -99,16 +101,20 @@ def sized_draft_config(args: argparse.Namespace, target_config) -> dict:
 
 
 def load(args: argparse.Namespace):
-    """(draft, target, head, tokenizer) on args.device, fp32, eval mode."""
+    """(draft, target, head, tokenizer) on args.device, fp32, eval mode, laid out for decoding
+    (as `python -m dflash2.evaluate` loads them) unless --plain-layout."""
     if args.draft is not None:
-        return load_models(args.draft, args.target, args.device)
+        return load_models(args.draft, args.target, args.device, decoding_layout=not args.plain_layout)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     target = AutoModelForCausalLM.from_pretrained(args.target).to(args.device).eval()
     torch.manual_seed(0)
-    draft = build_draft(sized_draft_config(args, target.config))
-    return draft.to(args.device).eval(), target, TargetHead.from_target(target), tokenizer
+    draft = build_draft(sized_draft_config(args, target.config)).to(args.device).eval()
+    head = TargetHead.from_target(target)
+    if not args.plain_layout:
+        use_decoding_layout(target, draft, head)
+    return draft, target, head, tokenizer
 
 
 def step_breakdown(history: list[dict]) -> dict:
@@ -131,26 +137,33 @@ def step_breakdown(history: list[dict]) -> dict:
     return out
 
 
-def decode_all(args, draft, target, head, prompts) -> tuple[list, list, list]:
-    """Both decodes of every prompt, interleaved like dflash2.evaluate; the verify steps' timings."""
+def decode_all(args, draft, target, head, prompts) -> tuple[list, list, list, float]:
+    """Both decodes of every prompt, interleaved like dflash2.evaluate: (speculative results, the
+    target's own, every prompt's verify-step timings, the target's own decoding's CPU seconds)."""
     timer = StepTimer(torch.device(args.device), breakdown=True, keep_history=True)
-    spec, plain, histories = [], [], []
+    spec, plain, histories, plain_cpu = [], [], [], []
+
+    def target_alone(ids):
+        start = time.process_time()
+        plain.append(decode.timed_target_generate(target, ids, max_new_tokens=args.max_new_tokens))
+        plain_cpu.append(time.process_time() - start)
+
     for index, ids in enumerate(prompts):
         if index % 2 == 0:  # the two take turns at going first
-            plain.append(decode.timed_target_generate(target, ids, max_new_tokens=args.max_new_tokens))
+            target_alone(ids)
         spec.append(
             decode.speculative_generate(
                 draft, target, head, ids, max_new_tokens=args.max_new_tokens, timer=timer
             )
         )
         if index % 2 == 1:
-            plain.append(decode.timed_target_generate(target, ids, max_new_tokens=args.max_new_tokens))
+            target_alone(ids)
         histories.append(timer.history)
         timer.history = []
-    return spec, plain, histories
+    return spec, plain, histories, sum(plain_cpu)
 
 
-def report_of(args, prompts, spec, plain, histories, cpu_s: float) -> dict:
+def report_of(args, prompts, spec, plain, histories, plain_cpu_s: float) -> dict:
     steps = [step for history in histories for step in history]
     breakdown = step_breakdown(steps)
     spec_tokens, plain_tokens = sum(len(r.output_ids) for r in spec), sum(len(r.output_ids) for r in plain)
@@ -169,10 +182,11 @@ def report_of(args, prompts, spec, plain, histories, cpu_s: float) -> dict:
         "speedup": (spec_tokens / spec_wall) / (plain_tokens / plain_wall),
         "wall_s": spec_wall,
         "target_wall_s": plain_wall,
-        "cpu_s": cpu_s,
         "plain_step_ms": plain_step_ms,
+        "plain_step_cpu_ms": 1e3 * plain_cpu_s / plain_tokens,
         "verify_step": breakdown,
         "verify_step_in_plain_steps": breakdown["step"]["wall_ms"] / plain_step_ms,
+        "verify_step_in_plain_steps_cpu": breakdown["step"]["cpu_ms"] / (1e3 * plain_cpu_s / plain_tokens),
         "projected_speedup": {str(t): t * plain_step_ms / breakdown["step"]["wall_ms"] for t in TAUS},
         "draft_step_cpu_s_first_steps": statistics.median(x for w in windows for x in w[: args.window_steps]),
         "draft_step_cpu_s_last_steps": statistics.median(x for w in windows for x in w[-args.window_steps :]),
@@ -200,9 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(args.threads)
     draft, target, head, tokenizer = load(args)
     prompts = [encode_prompt(m, tokenizer) for m in read_prompts(args.data, args.num_prompts)]
-    cpu_start = time.process_time()
-    spec, plain, histories = decode_all(args, draft, target, head, prompts)
-    report = report_of(args, prompts, spec, plain, histories, time.process_time() - cpu_start)
+    report = report_of(args, prompts, *decode_all(args, draft, target, head, prompts))
     print(json.dumps(report, indent=2))
     print_table(report)
     if args.json is not None:

@@ -284,7 +284,8 @@ def target_generate(
     device = next(target.parameters()).device
     cache, output, ids = new_cache(target), [], [int(t) for t in input_ids]
     while len(output) < max_new_tokens:
-        logits = target(input_ids=torch.tensor([ids], device=device), cache=cache, use_cache=True).logits
+        input_ids = torch.tensor([ids], device=device)  # the LM head on the last position only
+        logits = target(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits
         ids = [int(logits[0, -1].argmax())]
         output += ids
         if ids[0] in stop_token_ids:

@@ -30,6 +30,7 @@ from dflash2.errors import add_debug_flag, run_main
 from dflash2.export import TRAINING_RUN_NAME, read_training_run
 from dflash2.models import TargetHead, load_draft
 from dflash2.models.draft import DFlashDraftModel
+from dflash2.target_state import use_decoding_layout
 
 # ------------------------------------------------------------------ prompts
 
@@ -218,8 +219,15 @@ def greedy_mismatch_note(num_differing: int, num_prompts: int) -> str:
     )
 
 
-def load_models(draft_dir: str | Path, target_dir: str | Path, device: str = "cpu", dtype=torch.float32):
-    """(draft, target, head, tokenizer) in eval mode."""
+def load_models(
+    draft_dir: str | Path,
+    target_dir: str | Path,
+    device: str = "cpu",
+    dtype=torch.float32,
+    decoding_layout: bool = True,
+):
+    """(draft, target, head, tokenizer) in eval mode, their weights laid out for decoding
+    (`dflash2.target_state.use_decoding_layout`) unless `decoding_layout` is False."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
@@ -231,6 +239,8 @@ def load_models(draft_dir: str | Path, target_dir: str | Path, device: str = "cp
             "the draft was built for another target"
         )
     head = TargetHead.from_target(target, dtype=dtype)
+    if decoding_layout:
+        use_decoding_layout(target, draft, head)
     return draft, target, head, tokenizer
 
 

@@ -196,6 +196,37 @@ def test_cached_draft_proposes_what_the_full_forward_proposes(target, head, arch
         assert tokens == want.tolist()
 
 
+@pytest.mark.parametrize("architecture", ["DFlashDraftModel", "DFlash2DraftModel"])
+def test_decoding_layout_keeps_values_and_greedy_output(architecture):
+    """use_decoding_layout swaps the strides of every linear weight (and of the head's LM head),
+    nothing else: same values, tied weights still one tensor, idempotent; greedy speculative
+    decoding on the re-laid models is still the (original) target's own greedy decoding, and its
+    logits are the original ones within fp32 rounding."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dflash2.target_state import use_decoding_layout
+
+    target = build_target(seed=2)
+    tied = Qwen3ForCausalLM(Qwen3Config(**{**target.config.to_dict(), "tie_word_embeddings": True})).eval()
+    head, draft = TargetHead.from_target(target), build_random_draft(architecture)
+    before = {name: t.clone() for m in (target, draft, head) for name, t in m.state_dict().items()}
+    with torch.no_grad():
+        logits = target(torch.tensor([PROMPT])).logits
+    reference = plain_greedy(target, PROMPT, 40)
+    for _ in range(2):
+        use_decoding_layout(target, draft, head, tied)
+    after = {name: t for m in (target, draft, head) for name, t in m.state_dict().items()}
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    for weight in (target.lm_head.weight, target.model.layers[0].mlp.up_proj.weight, head.lm_head_weight):
+        assert weight.stride() == (1, weight.shape[0])  # column-major [out, in]
+    assert draft.fc.weight.stride() == (1, draft.fc.weight.shape[0])
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight and tied.lm_head.weight.stride()[0] == 1
+    with torch.no_grad():
+        torch.testing.assert_close(target(torch.tensor([PROMPT])).logits, logits, rtol=1e-5, atol=1e-5)
+    result = decode.speculative_generate(draft, target, head, PROMPT, max_new_tokens=40)
+    assert result.output_ids == reference == decode.target_generate(target, PROMPT, max_new_tokens=40)
+
+
 # ------------------------------------------------------------------ sampling is lossless
 
 SMALL_VOCAB, TEMPERATURE, NUM_RUNS = 6, 1.0, 1000
