@@ -32,6 +32,7 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -137,33 +138,37 @@ def step_breakdown(history: list[dict]) -> dict:
     return out
 
 
-def decode_all(args, draft, target, head, prompts) -> tuple[list, list, list, float]:
+def decode_all(args, draft, target, head, prompts) -> tuple[list, list, list, float, float]:
     """Both decodes of every prompt, interleaved like dflash2.evaluate: (speculative results, the
-    target's own, every prompt's verify-step timings, the target's own decoding's CPU seconds)."""
+    target's own, every prompt's verify-step timings, CPU seconds of each decode)."""
     timer = StepTimer(torch.device(args.device), breakdown=True, keep_history=True)
-    spec, plain, histories, plain_cpu = [], [], [], []
+    spec, plain, histories, cpu = [], [], [], {"spec": 0.0, "target": 0.0}
 
-    def target_alone(ids):
+    def timed(kind: str, results: list, run) -> None:
         start = time.process_time()
-        plain.append(decode.timed_target_generate(target, ids, max_new_tokens=args.max_new_tokens))
-        plain_cpu.append(time.process_time() - start)
+        results.append(run())
+        cpu[kind] += time.process_time() - start
 
+    new = args.max_new_tokens
     for index, ids in enumerate(prompts):
-        if index % 2 == 0:  # the two take turns at going first
-            target_alone(ids)
-        spec.append(
-            decode.speculative_generate(
-                draft, target, head, ids, max_new_tokens=args.max_new_tokens, timer=timer
-            )
-        )
-        if index % 2 == 1:
-            target_alone(ids)
+        runs = [
+            ("target", plain, partial(decode.timed_target_generate, target, ids, max_new_tokens=new)),
+            (
+                "spec",
+                spec,
+                partial(
+                    decode.speculative_generate, draft, target, head, ids, max_new_tokens=new, timer=timer
+                ),
+            ),
+        ]
+        for kind, results, run in runs if index % 2 == 0 else runs[::-1]:  # taking turns at going first
+            timed(kind, results, run)
         histories.append(timer.history)
         timer.history = []
-    return spec, plain, histories, sum(plain_cpu)
+    return spec, plain, histories, cpu["spec"], cpu["target"]
 
 
-def report_of(args, prompts, spec, plain, histories, plain_cpu_s: float) -> dict:
+def report_of(args, prompts, spec, plain, histories, spec_cpu_s: float, plain_cpu_s: float) -> dict:
     steps = [step for history in histories for step in history]
     breakdown = step_breakdown(steps)
     spec_tokens, plain_tokens = sum(len(r.output_ids) for r in spec), sum(len(r.output_ids) for r in plain)
@@ -182,6 +187,8 @@ def report_of(args, prompts, spec, plain, histories, plain_cpu_s: float) -> dict
         "speedup": (spec_tokens / spec_wall) / (plain_tokens / plain_wall),
         "wall_s": spec_wall,
         "target_wall_s": plain_wall,
+        "cpu_s": spec_cpu_s,  # of the speculative decodes
+        "target_cpu_s": plain_cpu_s,
         "plain_step_ms": plain_step_ms,
         "plain_step_cpu_ms": 1e3 * plain_cpu_s / plain_tokens,
         "verify_step": breakdown,

@@ -511,3 +511,28 @@ def test_cli_evaluates_in_bf16_when_asked(tiny_default, tmp_path, monkeypatch):
     assert loaded == [{torch.float32}, {torch.bfloat16}]
     assert [s["precision"] for s in summaries] == ["fp32", "bf16"]
     assert all(1 <= s["generated_tokens"] <= 8 for s in summaries)
+
+
+def test_decode_benchmark_breaks_a_verify_step_down(tiny_default, tmp_path):
+    """benchmarks/eval_decode.py: both decodes of every prompt, a verify step split into regions
+    whose self times and `other` add up to the step, and the same greedy output from both."""
+    import importlib.util
+
+    from tests.conftest import REPO_ROOT
+
+    spec = importlib.util.spec_from_file_location("eval_decode", REPO_ROOT / "benchmarks" / "eval_decode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = ["--target", str(tiny_default.target_dir), "--data", str(tiny_default.heldout_jsonl)]
+    args += ["--max-new-tokens", "12", "--num-prompts", "2", "--draft-layers", "1", "--block-size", "4"]
+    report = bench.main([*args, "--window-steps", "4", "--json", str(tmp_path / "r.json")])
+    assert json.loads((tmp_path / "r.json").read_text()) == report
+    assert report["generated_tokens"] == 24 and report["outputs_equal_target"] == 2
+    step = report["verify_step"]
+    regions = {"draft_block/forward", "draft_block/propose/head", "draft_block/propose/selector", "verify"}
+    assert regions | {"rollback", "draft_context", "accept"} <= set(step)
+    parts = sum(t["wall_ms"] for name, t in step.items() if name != "step")
+    assert parts == pytest.approx(step["step"]["wall_ms"], rel=1e-6)  # every step timed whole
+    assert report["speedup"] == pytest.approx(report["spec_tokens_per_s"] / report["target_tokens_per_s"])
+    ratio = step["step"]["wall_ms"] / report["plain_step_ms"]
+    assert report["verify_step_in_plain_steps"] == pytest.approx(ratio)
