@@ -116,7 +116,9 @@ def build_setup(cfg: RunConfig, backend: Backend, features: FeatureSource | None
     # Validate the draft against the target (hidden/vocab sizes, layer ids, mask token) before
     # loading anything big.
     torch.manual_seed(cfg.seed)
-    draft = build_draft(draft_config, target_config=target_config, tokenizer=tokenizer)
+    draft = build_draft(
+        draft_config, target_config=target_config, tokenizer=tokenizer, source=cfg.model.draft_config
+    )
     layer_ids = list(draft.target_layer_ids)
     normalized = draft.config.to_dict()
     contract = build_contract(cfg, normalized, backend.draft_world_size)
