@@ -57,6 +57,7 @@ def common(tiny_default, tmp_path_factory) -> list[str]:
         "data.max_length=96",
         "objective.num_anchors=8",
         "train.micro_batch_size=2",
+        "train.global_batch_size=null",  # the accumulation steps of the overrides, on any number of ranks
         f"train.max_steps={STEPS}",
         "train.save_every=0",
         "train.export=false",
