@@ -23,7 +23,7 @@ from dflash2.data.prepare import build_dataset
 from dflash2.distributed import Backend
 from dflash2.distributed.base import local_parameter_numel
 from dflash2.export import export_draft
-from dflash2.faults import collective_section, stop_request
+from dflash2.faults import collective_section, stop_request, write_stop_marker
 from dflash2.identity import data_identity, target_identity, tokenizer_identity
 from dflash2.models import TargetHead, build_draft
 from dflash2.models.config import draft_value, load_config_dict
@@ -285,6 +285,8 @@ def fit(
         export_final(setup, run_dir / "export", training_run)
     logger.close()
     if backend.is_main:
+        if stop_request.stopped:
+            write_stop_marker(run_dir, state.step, saved)
         print(end_message(state.step, cfg.train.max_steps, saved), flush=True)
     return summary
 
