@@ -466,7 +466,7 @@ def checkpoint_line(plan: Plan, write_gb_per_s: float) -> str:
     """The size of one checkpoint and how long writing it takes at `write_gb_per_s`."""
     seconds = plan.checkpoint_bytes / (write_gb_per_s * GB)
     return (
-        f"checkpoint: {plan.checkpoint_bytes / GB:.1f} GB (fp32 draft weights + every rank's shard of "
+        f"checkpoint: {plan.checkpoint_bytes / GB:.3g} GB (fp32 draft weights + every rank's shard of "
         f"weights and AdamW moments); about {math.ceil(seconds)} s to write at {write_gb_per_s:g} GB/s"
     )
 

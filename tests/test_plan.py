@@ -229,5 +229,5 @@ def test_checkpoint_size_is_what_a_checkpoint_holds_and_its_write_time_follows_t
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("checkpoint:"))
     size = recipe.checkpoint_bytes / 1e9  # 1.924 B parameters x 16 bytes
     assert (
-        f"checkpoint: {size:.1f} GB" in line and f"about {math.ceil(size / 2)} s to write at 2 GB/s" in line
+        f"checkpoint: {size:.3g} GB" in line and f"about {math.ceil(size / 2)} s to write at 2 GB/s" in line
     )
