@@ -284,9 +284,11 @@ def fit(
         training_run = {"step": state.step, "chat_template_kwargs": dict(cfg.data.chat_template_kwargs)}
         export_final(setup, run_dir / "export", training_run)
     logger.close()
-    if backend.is_main:
-        if stop_request.stopped:
+    if stop_request.stopped:  # the marker before any rank exits: srun may end the others at the first exit
+        if backend.is_main:
             write_stop_marker(run_dir, state.step, saved)
+        backend.barrier()
+    if backend.is_main:
         print(end_message(state.step, cfg.train.max_steps, saved), flush=True)
     return summary
 

@@ -136,8 +136,14 @@ def start_sbatch(
     write_stub(
         tmp_path,
         "srun",
-        f"stop() {{ {on_signal}; }}\ntrap 'stop USR1' USR1\ntrap 'stop TERM' TERM\n"
+        f"stop() {{ {on_signal}; }}\ntrap 'stop USR1' USR1\ntrap 'stop TERM' TERM\necho $$ > {tmp_path / 'srun.pid'}\n"
         f'printf "%s\\n" "$@" > {srun_log}.tmp; mv {srun_log}.tmp {srun_log}\n{alone}\n',
+    )
+    # scancel --signal=TERM <job>: every process of the job's steps, here the stub step
+    write_stub(
+        tmp_path,
+        "scancel",
+        f'echo "$*" >> {tmp_path / "scancel.log"}\n[[ "$1 $2" == "--signal=TERM 77" ]] && kill -TERM $(cat {tmp_path / "srun.pid"})\n',
     )
     env = slurm_environment(recorded, tmp_path) | {"DFLASH2_ROOT": str(REPO), "PYTHON": sys.executable}
     paths = [
@@ -175,14 +181,16 @@ FOUR_GPUS = ["train.micro_batch_size=2"]
 
 @pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=lambda s: s.name)
 def test_sbatch_passes_the_stop_on_and_requeues_from_the_runs_marker(tiny_default, tmp_path, sig):
-    """USR1 (--signal=B:USR1@<lead>) or TERM (a preemption) reaches the batch shell: it passes it on
-    to the step, and requeues because the run wrote its stop marker, although the step's exit status is
+    """USR1 (--signal=B:USR1@<lead>) or TERM (scancel --signal=TERM --batch) reaches the batch shell: it
+    passes it on to the step, and requeues because the run wrote its stop marker, although the step's exit status is
     one that srun made up (137: --kill-on-bad-exit ended a task)."""
     process, srun_log, scontrol_log = start_sbatch(tmp_path, tiny_default, FOUR_GPUS, exit_on_signal=137)
     wait_for_srun(process, srun_log)
     process.send_signal(sig)
     output, _ = process.communicate(timeout=30)
     assert process.returncode == 0, output
+    # TERM goes to the step's processes through scancel, never to srun (srun kills its step on TERM)
+    assert (tmp_path / "scancel.log").exists() == (sig == signal.SIGTERM)
     assert (
         tmp_path / "signals.log"
     ).read_text() == f"{sig.name.removeprefix('SIG')}\n"  # the step got it, once
@@ -332,29 +340,37 @@ def test_two_nodes_simulated_with_two_torchrun_agents(tiny_default, tmp_path):
     }
 
 
-# ------------------------------------------------------------------ a real single-node SLURM cluster
+# ------------------------------------------------------------------ a real two-node SLURM cluster
+# Debian's Slurm (22.05, bookworm) runs several slurmd on one host: each node gets its own NodeName,
+# Port, spool directory and pid file (%n), and `slurmd -N <name>` starts it. So the job below has two
+# real SLURM nodes on this machine, one torchrun agent each, meeting over the c10d rendezvous.
 
-SLURM_BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel")
+SLURM_BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo")
+NODES = ("dflash2n1", "dflash2n2")
 
 
-def slurm_conf(root: Path, host: str, ports: tuple[int, int]) -> str:
-    """One CPU node with one placeholder GPU (gres backed by /dev/null) so that SLURM itself sets
-    SLURM_GPUS_ON_NODE; proctrack/linuxproc and task/none need no cgroups."""
+def slurm_conf(root: Path, host: str, ctld_port: int, node_ports: list[int]) -> str:
+    """Two CPU nodes on this host, one placeholder GPU each (gres backed by /dev/null) so that SLURM
+    itself sets SLURM_GPUS_ON_NODE; proctrack/linuxproc and task/none need no cgroups."""
+    nodes = "\n".join(
+        f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs={os.cpu_count()} "
+        "RealMemory=2000 Gres=gpu:1 State=UNKNOWN"
+        for name, port in zip(NODES, node_ports)
+    )
     return f"""ClusterName=dflash2test
 SlurmctldHost={host}(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={root}/munge.sock
+AuthInfo=socket={root}/munge.sock,cred_expire=10
 CredType=cred/munge
 StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
+SlurmdSpoolDir={root}/spool-%n
 SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
+SlurmdPidFile={root}/slurmd-%n.pid
 SlurmctldLogFile={root}/slurmctld.log
-SlurmdLogFile={root}/slurmd.log
-SlurmctldPort={ports[0]}
-SlurmdPort={ports[1]}
+SlurmdLogFile={root}/slurmd-%n.log
+SlurmctldPort={ctld_port}
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -366,7 +382,7 @@ SelectTypeParameters=CR_Core
 ReturnToService=2
 JobRequeue=1
 GresTypes=gpu
-NodeName={host} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} RealMemory=2000 Gres=gpu:1 State=UNKNOWN
+{nodes}
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
 
@@ -383,7 +399,7 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 1.0):
 
 @pytest.fixture
 def slurm_cluster(tmp_path_factory):
-    """munged + slurmctld + slurmd on this machine, configured under a temporary directory.
+    """munged + slurmctld + two slurmd on this machine, configured under a temporary directory.
     Needs the Debian packages slurmd, slurmctld, slurm-client and munge, and root."""
     import shutil
 
@@ -394,34 +410,38 @@ def slurm_cluster(tmp_path_factory):
         )
     root = tmp_path_factory.mktemp("slurm")
     root.chmod(0o700)
-    for name in ("state", "spool"):
-        (root / name).mkdir()
+    (root / "state").mkdir()
     (root / "munge.key").write_bytes(os.urandom(1024))
     (root / "munge.key").chmod(0o600)
     host = socket.gethostname()
-    (root / "slurm.conf").write_text(slurm_conf(root, host, (free_port(), free_port())))
+    (root / "slurm.conf").write_text(slurm_conf(root, host, free_port(), [free_port() for _ in NODES]))
     (root / "gres.conf").write_text("Name=gpu Count=1 File=/dev/null\n")
     env = os.environ | {"SLURM_CONF": str(root / "slurm.conf")}
     started = []
     try:
         munged = ["munged", "--force", f"--socket={root}/munge.sock", f"--key-file={root}/munge.key",
                   f"--pid-file={root}/munged.pid", f"--log-file={root}/munged.log", f"--seed-file={root}/munge.seed"]  # fmt: skip
-        for command, pid_file in (
+        daemons = [
             (munged, "munged.pid"),
             (["slurmctld", "-c", "-f", str(root / "slurm.conf")], "slurmctld.pid"),
-            (["slurmd", "-N", host, "-f", str(root / "slurm.conf")], "slurmd.pid"),
-        ):
+        ]
+        daemons += [
+            (["slurmd", "-N", name, "-f", str(root / "slurm.conf")], f"slurmd-{name}.pid") for name in NODES
+        ]
+        for command, pid_file in daemons:
             subprocess.run(command, env=env, check=True, capture_output=True)
             started.append(
                 int(wait_for(lambda p=root / pid_file: p.exists() and p.read_text().strip(), 20, pid_file))
             )
         wait_for(
             lambda: (
-                "idle"
-                in subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True).stdout
+                subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], env=env, capture_output=True, text=True)
+                .stdout.split()
+                .count("idle")
+                == len(NODES)
             ),
             30,
-            "the node to become idle",
+            "both nodes to become idle",
         )
         yield env
     finally:
@@ -437,53 +457,72 @@ def job_state(env: dict, job_id: str) -> str:
     return next((field.split("=", 1)[1] for field in out.split() if field.startswith("JobState=")), "")
 
 
-def test_sbatch_on_real_slurm_checkpoints_on_usr1_requeues_and_loses_no_step(
+def start_requeued(env: dict, job_id: str, run_dir: Path) -> int:
+    """Wait for the job to requeue itself; the step its stop marker names (read before the next
+    start removes it). SLURM holds a requeued job until the credentials of its last start expire
+    (cred_expire, 10 s here, 120 s by default); starting it earlier is refused ("credential revoked")."""
+    wait_for(lambda: job_state(env, job_id) == "PENDING", 120, "the requeue", interval=0.2)
+    return json.loads((run_dir / STOP_MARKER).read_text())["step"]
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    return [m["step"] for m in metrics(run_dir)] if path.is_file() and path.read_text().endswith("\n") else []
+
+
+def test_sbatch_on_two_real_slurm_nodes_stops_on_usr1_and_term_requeues_itself_and_resumes_exactly(
     slurm_cluster, tiny_default, tmp_path
 ):
-    """fsdp.sbatch under a real slurmctld/slurmd receives USR1 (what --signal=B:USR1@120 sends before
-    the time limit) while it trains: the batch shell passes it on, the run checkpoints the step it is
-    at and exits 75, the job requeues itself, resumes at that step, and ends bitwise equal to an
-    uninterrupted run of the same config."""
+    """fsdp.sbatch on 2 SLURM nodes x 1 placeholder GPU, the tiny config's own global batch (8 = 2
+    ranks x micro-batch 4). (1) USR1 to the batch shell, what --signal=B:USR1@<lead> sends before the
+    time limit: passed on to the step, the run checkpoints the step it is at and writes its stop
+    marker, the job requeues itself. (2) After the resume, TERM to the batch shell: it sends TERM to
+    every process of the step (not to srun, which would kill its step): the same. (3) The third start finishes; every step trained once, the losses
+    and the final draft bitwise equal to an uninterrupted 2-rank run."""
     env = slurm_cluster | {"PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     run_dir, reference, log = tmp_path / "run", tmp_path / "reference", tmp_path / "job.out"
-    steps = 60
+    steps = 30
     overrides = [
         f"model.target={tiny_default.target_dir}", f"data.train={tiny_subset(tiny_default, tmp_path, 64)}",
-        f"train.max_steps={steps}", "train.save_every=0", "train.export=false", "train.micro_batch_size=2",
-        "train.progress_bar=false", "train.log_every=1",
+        "data.max_length=96", "objective.num_anchors=8", "train.micro_batch_size=4", f"train.max_steps={steps}",
+        "train.save_every=0", "train.export=false", "train.progress_bar=false", "train.log_every=1",
     ]  # fmt: skip
     submit = [
-        "sbatch", "--parsable", "--nodes=1", "--gpus-per-node=1", f"--cpus-per-task={os.cpu_count()}",
+        "sbatch", "--parsable", "--nodes=2", "--gpus-per-node=1", f"--cpus-per-task={os.cpu_count()}",
         f"--output={log}", "launch/slurm/fsdp.sbatch", "configs/tiny-dflash2.yaml", *overrides,
         f"output_dir={run_dir}",
     ]  # fmt: skip
     job_id = subprocess.run(
         submit, cwd=REPO, env=env, check=True, capture_output=True, text=True
     ).stdout.strip()
-    wait_for(lambda: logged_lines(run_dir) >= 3, 240, "three training steps")
+    wait_for(lambda: len(logged_steps(run_dir)) >= 2, 240, "two training steps", interval=0.2)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=env, check=True)
-    wait_for(lambda: job_state(env, job_id) == "PENDING", 120, "the requeue")
-    # SLURM delays a requeued job's start (about two minutes); start it now
-    subprocess.run(["scontrol", "update", f"jobid={job_id}", "StartTime=now"], env=env, check=True)
+    first_stop = start_requeued(env, job_id, run_dir)
+    wait_for(lambda: len(logged_steps(run_dir)) >= first_stop + 2, 240, "two resumed steps", interval=0.2)
+    subprocess.run(["scancel", "--signal=TERM", "--batch", job_id], env=env, check=True)
+    second_stop = start_requeued(env, job_id, run_dir)
     state = wait_for(
         lambda: job_state(env, job_id) in ("COMPLETED", "FAILED") and job_state(env, job_id), 300, "the job"
     )
-    output = log.read_text()
-    assert state == "COMPLETED", output[-4000:]
-    assert f"job {job_id} (restart 0)" in output and f"job {job_id} (restart 1)" in output
-    stopped = re.findall(rf"stopped on a SIGUSR1 after step (\d+) of {steps}", output)
-    assert len(stopped) == 1 and "the run stopped with a checkpoint; requeueing" in output, output[-4000:]
-    resumed = re.findall(r"resumed from \S+/checkpoints/step_(\d{8}) at step (\d+)$", output, re.MULTILINE)
-    assert resumed == [(f"{int(stopped[0]):08d}", stopped[0])]  # where it stopped: no step lost
-    check_ok(launch_train(1, [*overrides, "backend=fsdp", f"output_dir={reference}"]))
-    assert [m["step"] for m in metrics(run_dir)] == list(range(1, steps + 1))
+    batch = log.read_text()
+    assert state == "COMPLETED", batch[-4000:]
+    assert [f"(restart {n}) 2 nodes x 1 GPUs" in batch for n in range(3)] == [True] * 3, batch[-4000:]
+    assert batch.count("the run stopped with a checkpoint") == 2 and batch.count("requeueing") == 2
+    # each node's own log, per start (the rendezvous decides which node holds rank 0)
+    logs = [
+        [(run_dir / "slurm" / f"{job_id}.{n}" / f"node{i}.out").read_text() for i in (0, 1)] for n in range(3)
+    ]
+    starts = ["".join(pair) for pair in logs]
+    assert f"stopped on a SIGUSR1 after step {first_stop} of {steps}" in starts[0], starts[0][-4000:]
+    assert f"stopped on a SIGTERM after step {second_stop} of {steps}" in starts[1], starts[1][-4000:]
+    for text, stopped in ((starts[1], first_stop), (starts[2], second_stop)):  # resumed where it stopped
+        resumed = re.findall(r"resumed from \S+/checkpoints/step_(\d{8}) at step (\d+)$", text, re.MULTILINE)
+        assert resumed == [(f"{stopped:08d}", str(stopped))], text[-4000:]
+    assert all("holds" in log for pair in logs for log in pair)  # both nodes ran a rank, every start
+    check_ok(launch_train(2, [*overrides, "backend=fsdp", f"output_dir={reference}"]))
+    assert logged_steps(run_dir) == list(range(1, steps + 1))
     assert [m["loss"] for m in metrics(run_dir)] == [m["loss"] for m in metrics(reference)]
     got, expected = (
         load_file(d / "checkpoints" / f"step_{steps:08d}" / "draft.safetensors") for d in (run_dir, reference)
     )
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
-
-
-def logged_lines(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    return path.read_text().count("\n") if path.is_file() else 0

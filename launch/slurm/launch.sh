@@ -10,10 +10,14 @@
 #      node's agent and its workers would share one core) and a rendezvous port free on the first node
 #      (DFLASH2_MASTER_PORT). Each node's output goes to <output_dir>/slurm/<job id>.<restart>/node<N>.out;
 #      this shell's own lines also to <output_dir>/slurm/batch-<job id>.log;
-#   3. on SIGUSR1 (#SBATCH --signal=B:USR1@<lead seconds>, before the time limit) and on SIGTERM (a
-#      preemption, `scancel --signal=TERM`) passes the signal on to the step (srun forwards it to every
-#      process of the step); the workers finish their optimizer step, write a checkpoint, and the
-#      trainers' rank 0 then writes <output_dir>/stopped.json with the step (dflash2.faults);
+#   3. on SIGUSR1 (#SBATCH --signal=B:USR1@<lead seconds>, before the time limit) passes it on to the
+#      step (srun forwards it to every process of the step); on SIGTERM (`scancel --signal=TERM
+#      --batch`, a site that signals the batch shell) sends SIGTERM to every process of the job's
+#      steps with `scancel --signal=TERM <job>`, not through srun: srun itself ends its step at once on
+#      SIGTERM (it kills the tasks), so a SIGTERM that also reaches srun (`scancel --full`, the time
+#      limit itself) cannot end in a checkpoint, and the job resumes from the latest periodic one.
+#      The workers finish their optimizer step, write a checkpoint, and the trainers' rank 0 then
+#      writes <output_dir>/stopped.json with the step (dflash2.faults);
 #   4. requeues the job with `scontrol requeue` when the run wrote that marker during this start,
 #      whatever srun's exit status (with several nodes, --kill-on-bad-exit may end the tasks still
 #      exiting once the first one has exited with 75): the requeued job resumes at the step it stopped
@@ -29,10 +33,16 @@ _dflash2_say() {
   if [[ -n ${_dflash2_log:-} ]]; then echo "$line" >>"$_dflash2_log"; fi
 }
 
-_dflash2_on_signal() {
-  _dflash2_say "SIG$1: passed on to the run, which checkpoints and stops"
+_dflash2_on_usr1() {
+  _dflash2_say "SIGUSR1: passed on to the run, which checkpoints and stops"
   _dflash2_signaled=1
-  kill -"$1" "$_dflash2_step" 2>/dev/null || true
+  kill -USR1 "$_dflash2_step" 2>/dev/null || true
+}
+
+_dflash2_on_term() {
+  _dflash2_say "SIGTERM: sent to every process of the run (scancel --signal=TERM), which checkpoints and stops"
+  _dflash2_signaled=1
+  scancel --signal=TERM "${SLURM_JOB_ID}" || kill -USR1 "$_dflash2_step" 2>/dev/null || true
 }
 
 _dflash2_free_port() {
@@ -72,8 +82,8 @@ dflash2_slurm_run() {
   _dflash2_say "(restart ${RESTART_COUNT}) ${NNODES} nodes x ${GPUS_PER_NODE} GPUs," \
     "${SLURM_CPUS_PER_TASK:-all the} CPUs per node, rendezvous ${MASTER_ADDR}:${MASTER_PORT}; log ${log_dir}/node<N>.out"
 
-  trap '_dflash2_on_signal USR1' USR1
-  trap '_dflash2_on_signal TERM' TERM
+  trap _dflash2_on_usr1 USR1
+  trap _dflash2_on_term TERM
   # NODE_RANK differs per node: each task derives its own environment.
   srun --kill-on-bad-exit=1 --nodes="${NNODES}" --ntasks-per-node=1 \
     ${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"} --output="$log_dir/node%n.out" \
@@ -83,6 +93,10 @@ dflash2_slurm_run() {
   local status=0
   _dflash2_wait_step || status=$?
   trap - USR1 TERM
+  if [[ ! -f $marker && $status == 0 ]]; then
+    _dflash2_say "the run finished"
+    return 0
+  fi
   if [[ ! -f $marker ]]; then
     _dflash2_say "the run ended with exit status ${status} and no stop marker: not requeued"
     return "$status"
