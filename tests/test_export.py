@@ -429,3 +429,20 @@ def test_a_draft_target_mismatch_names_both_files(tmp_path, capsys):
     with pytest.raises(ValueError) as err:
         build_draft(TINY_V2, target_config=AutoConfig.from_pretrained(tmp_path / "hf_target"))
     assert f"(draft {TINY_V2}, target {tmp_path / 'hf_target' / 'config.json'})" in str(err.value)
+
+
+def test_a_draft_tokenizer_mask_token_mismatch_names_both(tmp_path, tiny_default, capsys):
+    from transformers import AutoTokenizer
+
+    cfg = load_config_dict(TINY_V2)
+    cfg["dflash_config"]["mask_token_id"] = 5  # the tiny tokenizer's mask token <|mask|> is id 3
+    write_dir(tmp_path / "hf", cfg, synthetic_tensors(cfg))
+    target = str(tiny_default.target_dir)
+    assert main(["--check", str(tmp_path / "hf"), "--tokenizer", target]) == 1
+    out = capsys.readouterr().out
+    assert (
+        "mask token '<|mask|>' has id 3" in out
+        and f"(draft {tmp_path / 'hf' / 'config.json'}, tokenizer {target})" in out
+    )
+    with pytest.raises(ValueError, match=r"tokenizer .*tiny/target\)"):
+        build_draft(tmp_path / "hf" / "config.json", tokenizer=AutoTokenizer.from_pretrained(target))

@@ -376,7 +376,18 @@ def _check_block_and_layers(cfg: dict, problems: list[str]) -> None:
             )
 
 
-def _check_mask_token(cfg: dict, tokenizer: Any, problems: list[str]) -> None:
+def _check_mask_token(cfg: dict, tokenizer: Any, problems: list[str], source: Any = None) -> None:
+    before = len(problems)
+    _check_mask_token_id(cfg, tokenizer, problems)
+    if tokenizer is not None and len(problems) > before:  # a draft/tokenizer mismatch: name both
+        files = (
+            f" (draft {_config_file(source, 'config given as a dict')}, "
+            f"tokenizer {getattr(tokenizer, 'name_or_path', None) or 'given as an object'})"
+        )
+        problems[before:] = [problem + files for problem in problems[before:]]
+
+
+def _check_mask_token_id(cfg: dict, tokenizer: Any, problems: list[str]) -> None:
     mask_token_id = draft_value(cfg, "mask_token_id")
     vocab_size = cfg.get("vocab_size")
     if not _is_int(mask_token_id):
@@ -463,7 +474,7 @@ def validate_draft_config(
     nested = cfg.get("dflash_config") if isinstance(cfg.get("dflash_config"), dict) else {}
     _check_v2_fields(cfg, nested, problems)
     _check_block_and_layers(cfg, problems)
-    _check_mask_token(cfg, tokenizer, problems)
+    _check_mask_token(cfg, tokenizer, problems, source)
     if target_config is not None:
         _check_target(cfg, target_config, problems, source)
     return problems
