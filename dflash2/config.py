@@ -3,6 +3,7 @@ group starts. Unknown keys are errors. The resolved config is saved in the run d
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from pathlib import Path
@@ -200,9 +201,26 @@ def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunCo
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as err:
-        lines = [f"  {'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in err.errors()]
+        lines = [
+            f"  {'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}{_suggestion(e)}" for e in err.errors()
+        ]
         source = path or "overrides"
         raise ValueError(f"invalid run config ({source}):\n" + "\n".join(lines)) from None
+
+
+def _suggestion(error: dict) -> str:
+    """For an unknown key, the nearest valid key of its section: `; did you mean train.max_steps?`."""
+    if error["type"] != "extra_forbidden":
+        return ""
+    *section, key = map(str, error["loc"])
+    model: type[BaseModel] = RunConfig
+    for name in section:
+        annotation = model.model_fields[name].annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return ""
+        model = annotation
+    close = difflib.get_close_matches(key, list(model.model_fields), n=1)
+    return f"; did you mean {'.'.join([*section, close[0]])}?" if close else ""
 
 
 def require_path(path: str | Path, name: str, kind: str, what: str) -> Path:

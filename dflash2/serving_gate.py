@@ -113,6 +113,7 @@ def train_overrides(
         f"data.train={data_path}",
         f"train.max_steps={steps}",
         f"train.micro_batch_size={num_samples}",
+        "train.global_batch_size=null",  # one micro-batch of every sample per step (train.grad_accum_steps=1)
         "train.save_every=0",
         "train.resume=none",
         "train.export=true",

@@ -23,7 +23,7 @@ from dflash2.data.prepare import build_dataset
 from dflash2.distributed import Backend
 from dflash2.distributed.base import local_parameter_numel
 from dflash2.export import export_draft
-from dflash2.faults import collective_section, stop_request
+from dflash2.faults import collective_section, stop_request, write_stop_marker
 from dflash2.identity import data_identity, target_identity, tokenizer_identity
 from dflash2.models import TargetHead, build_draft
 from dflash2.models.config import draft_value, load_config_dict
@@ -122,7 +122,9 @@ def build_setup(cfg: RunConfig, backend: Backend, features: FeatureSource | None
     # Validate the draft against the target (hidden/vocab sizes, layer ids, mask token) before
     # loading anything big.
     torch.manual_seed(cfg.seed)
-    draft = build_draft(draft_config, target_config=target_config, tokenizer=tokenizer)
+    draft = build_draft(
+        draft_config, target_config=target_config, tokenizer=tokenizer, source=cfg.model.draft_config
+    )
     layer_ids = list(draft.target_layer_ids)
     normalized = draft.config.to_dict()
     contract = build_contract(cfg, normalized, backend.draft_world_size)
@@ -300,6 +302,10 @@ def fit(
         training_run = {"step": state.step, "chat_template_kwargs": dict(cfg.data.chat_template_kwargs)}
         export_final(setup, run_dir / "export", training_run)
     logger.close()
+    if stop_request.stopped:  # the marker before any rank exits: srun may end the others at the first exit
+        if backend.is_main:
+            write_stop_marker(run_dir, state.step, saved)
+        backend.barrier()
     if backend.is_main:
         print(end_message(state.step, cfg.train.max_steps, saved), flush=True)
     return summary

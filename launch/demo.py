@@ -69,6 +69,7 @@ def train(name: str, config: str, data: Path, out: Path, steps: int) -> Path:
             f"output_dir={out}",
             f"data.train={data}",
             "backend=deepspeed",
+            "train.global_batch_size=16",  # 8 per micro-batch x 2 processes
             f"train.max_steps={steps}",
             "train.save_every=0",
             "train.resume=none",

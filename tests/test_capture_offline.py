@@ -33,6 +33,7 @@ def overrides(tiny_default, tmp_path_factory) -> list[str]:
         "backend=fsdp",
         "objective.num_anchors=8",
         "train.micro_batch_size=4",
+        "train.global_batch_size=null",  # the accumulation steps of the overrides, on any number of ranks
         "train.max_steps=2",
         "train.warmup_steps=0",
         "train.lr=3e-3",

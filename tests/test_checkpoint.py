@@ -431,3 +431,22 @@ def test_resume_accepts_any_directory_name_and_refuses_incomplete_ones(tmp_path)
         check_resume(copy, CONTRACT)
     (tmp_path / "checkpoints" / "step_not_a_number").mkdir()  # never taken for a step directory
     assert find_latest(tmp_path) == ckpt
+
+
+def test_contract_mismatch_names_the_overrides_that_resume():
+    """A requeue onto fewer GPUs without train.global_batch_size: the refusal gives the exact override."""
+    saved = {**CONTRACT, "global_batch_size": 16, "chat_template_kwargs": {}, "num_anchors": 8}
+    new = {
+        **saved,
+        "global_batch_size": 8,
+        "chat_template_kwargs": {"enable_thinking": False},
+        "block_size": 8,
+    }
+    with pytest.raises(ValueError) as err:
+        validate_contract(saved, new)
+    lines = str(err.value).splitlines()
+    assert "  global_batch_size: saved 16, new 8" in lines
+    # block_size comes from the draft config, not from one override: it is listed, not suggested
+    assert (
+        "To resume, add these overrides: 'data.chat_template_kwargs={}' train.global_batch_size=16" in lines
+    )

@@ -59,6 +59,7 @@ def common(tiny_default, tmp_path_factory) -> list[str]:
         "backend=fsdp",
         "objective.num_anchors=8",
         "train.micro_batch_size=2",  # x 2 trainer ranks: a global micro-batch of 4
+        "train.global_batch_size=null",  # the accumulation steps of the overrides, on any number of ranks
         "train.max_steps=4",
         "train.warmup_steps=0",
         "train.lr=3e-3",

@@ -272,7 +272,8 @@ def test_crop_alone_is_not_a_rollback(family_dirs):
 
 
 def plan_output(capsys, *arguments: str) -> str:
-    assert plan.main([str(REPO / "configs" / "tiny-dflash2.yaml"), "--world-size", "2", *arguments]) == 0
+    config = str(REPO / "configs" / "tiny-dflash2.yaml")
+    assert plan.main([config, "--world-size", "2", "train.global_batch_size=16", *arguments]) == 0
     return capsys.readouterr().out
 
 

@@ -53,7 +53,9 @@ def feature_identity(cfg: RunConfig, layer_ids: list[int]) -> dict:
 
 def draft_layer_ids(cfg: RunConfig, target_config) -> list[int]:
     """The draft's target_layer_ids (defaults filled in, checked against the target)."""
-    draft_config = check_draft_config(load_config_dict(cfg.model.draft_config), target_config=target_config)
+    draft_config = check_draft_config(
+        load_config_dict(cfg.model.draft_config), target_config=target_config, source=cfg.model.draft_config
+    )
     return [int(i) for i in draft_value(draft_config, "target_layer_ids")]
 
 
