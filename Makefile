@@ -1,7 +1,7 @@
 PY ?= .venv/bin/python
 PIP ?= .venv/bin/pip
 
-.PHONY: install test lint format tiny demo clean
+.PHONY: install test lint format tiny smollm2 demo clean
 
 install: .venv/.installed
 
@@ -17,6 +17,9 @@ test: install
 
 tiny: install
 	$(PY) data_prep/build_tiny_default.py --out artifacts/tiny
+
+smollm2: install
+	$(PY) data_prep/build_smollm2.py --out artifacts/smollm2
 
 demo: install
 	$(PY) launch/demo.py
