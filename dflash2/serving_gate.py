@@ -35,8 +35,8 @@ from dflash2.config import RunConfig, check_model_paths, load_run_config, requir
 from dflash2.data.jsonl import SampleError, iter_lines, parse_sample, prompt_turns
 from dflash2.data.regenerate import LocalTargetGenerator, regenerate_conversations
 from dflash2.data.render import encode_prompt, render_with_token_ids, stop_token_ids
+from dflash2.decode import speculative_generate, target_generate
 from dflash2.errors import add_debug_flag, run_main
-from dflash2.evaluate import speculative_generate, target_generate
 from dflash2.export import read_training_run
 from dflash2.models import TargetHead, load_draft
 from dflash2.run import run

@@ -128,7 +128,8 @@ def regenerate(tiny, out: Path, num_samples: int, batch_size: int = 64, max_new_
 
 
 def evaluate_drafts(tiny, drafts: list[tuple[str, Path]], num_prompts: int, max_new_tokens: int) -> dict:
-    """Mean acceptance length of each export on the held-out prompts, against the target."""
+    """Mean acceptance length of each export on the held-out prompts, against the target, and the
+    trained drafts' wall-clock speedup over the target alone (`speedup_*`)."""
     from transformers.utils import logging as hf_logging
 
     from dflash2.evaluate import evaluate
@@ -149,7 +150,9 @@ def evaluate_drafts(tiny, drafts: list[tuple[str, Path]], num_prompts: int, max_
             plot_path=draft.parent / "acceptance.png",
         )
         taus[key] = result["mean_acceptance_length"]
-        tqdm.write(f"  {key:14s} {taus[key]:.3f}")
+        tqdm.write(f"  {key:14s} {taus[key]:.3f}, {result['speedup']:.2f}x the target alone")
+        if key != "tau_untrained":
+            taus[key.replace("tau_", "speedup_")] = result["speedup"]
     return taus
 
 
@@ -183,6 +186,8 @@ def write_summary(out: Path, summary: dict) -> None:
         ("untrained draft tau", f"{summary['tau_untrained']:.2f}"),
         ("DFlash tau", f"{summary['tau_dflash']:.2f}"),
         ("DFlash 2 tau", f"{summary['tau_dflash2']:.2f}"),
+        ("DFlash speedup", f"{summary['speedup_dflash']:.2f}x the target alone (wall clock)"),
+        ("DFlash 2 speedup", f"{summary['speedup_dflash2']:.2f}x the target alone (wall clock)"),
         ("serving gate", f"{gate} (tau {summary['serving_gate_accept_length']:.2f})"),
         ("wall time", f"{summary['wall_time_s']:.0f} s"),
     ]

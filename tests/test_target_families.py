@@ -25,8 +25,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from dflash2 import decode, plan
 from dflash2 import evaluate as ev
-from dflash2 import plan
 from dflash2.capture import capture_layer_outputs
 from dflash2.capture.head import load_target_head
 from dflash2.models import TargetHead, build_draft
@@ -190,15 +190,15 @@ def test_greedy_speculative_decoding_is_the_targets_greedy_decoding(family_dirs,
     reference = plain_greedy(target, PROMPT, num_tokens + block_size)
 
     # a random draft: almost every proposal rejected
-    result = ev.speculative_generate(draft, target, head, PROMPT, max_new_tokens=num_tokens)
+    result = decode.speculative_generate(draft, target, head, PROMPT, max_new_tokens=num_tokens)
     assert result.output_ids == reference[:num_tokens]
-    assert ev.target_generate(target, PROMPT, max_new_tokens=num_tokens) == reference[:num_tokens]
+    assert decode.target_generate(target, PROMPT, max_new_tokens=num_tokens) == reference[:num_tokens]
 
     # every number of accepted proposals in turn, the whole state checked after each step
-    monkeypatch.setattr(ev, "draft_block", corrupting_oracle(PROMPT + reference, block_size))
-    monkeypatch.setattr(ev, "TargetState", CheckedTargetState)
+    monkeypatch.setattr(decode, "draft_block", corrupting_oracle(PROMPT + reference, block_size))
+    monkeypatch.setattr(decode, "TargetState", CheckedTargetState)
     CheckedTargetState.num_checks = 0
-    result = ev.speculative_generate(draft, target, head, PROMPT, max_new_tokens=num_tokens)
+    result = decode.speculative_generate(draft, target, head, PROMPT, max_new_tokens=num_tokens)
     assert result.output_ids == reference[:num_tokens]
     assert result.acceptance_lengths[:block_size] == [1, 2, 3, 4]
     assert CheckedTargetState.num_checks == len(result.acceptance_lengths)
