@@ -47,6 +47,34 @@ class ObjectiveSection(_Section):
     selector_mode: Literal["insert", "strict"] = "insert"
     logits_chunk_rows: int = Field(1024, ge=1)  # rows of [supervised slots, V] logits alive at once
     coverage_top_k: int = Field(16, ge=1)  # top-k of the coverage metrics when the draft has no selector
+    # the block loss: ce_weight * CE(label) + kl_weight * KL(p_target || q_draft) + tv_weight * TV,
+    # each summed over the supervised slots with the position weights (docs/training.md)
+    ce_weight: float = Field(1.0, ge=0)
+    kl_weight: float = Field(0.0, ge=0)
+    tv_weight: float = Field(0.0, ge=0)
+    distill_temperature: float = Field(1.0, gt=0)  # p_target = softmax(target logits / T)
+    # slot weights: "gamma" = exp(-(k-1)/loss_gamma) (uniform when loss_gamma is null), "exponential" =
+    # position_decay ** (k-1), "uniform" = 1
+    position_weighting: Literal["gamma", "exponential", "uniform"] = "gamma"
+    position_decay: float = Field(0.8, gt=0, le=1)
+
+    @property
+    def needs_teacher(self) -> bool:
+        """Whether the loss needs the target's distribution (its final-normed last hidden state)."""
+        return self.kl_weight > 0 or self.tv_weight > 0
+
+    @model_validator(mode="after")
+    def _check_loss_terms(self) -> ObjectiveSection:
+        if self.ce_weight == 0 and not self.needs_teacher:
+            raise ValueError(
+                "objective.ce_weight, kl_weight and tv_weight are all 0: no loss to train; set at least one > 0"
+            )
+        if self.loss_gamma is not None and self.position_weighting != "gamma":
+            raise ValueError(
+                f"objective.loss_gamma={self.loss_gamma} is only read by position_weighting=gamma (it is "
+                f"{self.position_weighting!r}); set loss_gamma=null or position_weighting=gamma"
+            )
+        return self
 
 
 class OptimConfig(_Section):
