@@ -12,6 +12,7 @@ and the features.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from dataclasses import dataclass
@@ -27,7 +28,7 @@ from dflash2.data.real_prompts import build_real_prompts  # noqa: E402
 from dflash2.fixtures.smollm2 import build_smollm2  # noqa: E402
 
 CONFIGS = {"dflash": "configs/smollm2-dflash.yaml", "dflash2": "configs/smollm2-dflash2.yaml"}
-DRAFT_CONFIGS = {name: REPO / f"configs/draft/smollm2-{name}.json" for name in CONFIGS}
+BASE_DRAFT_CONFIGS = {name: REPO / f"configs/draft/smollm2-{name}.json" for name in CONFIGS}
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,23 @@ class Sources:
     heldout_jsonl: Path
 
 
-def capture(data: Path, out: Path, max_length: int) -> Path:
+def write_draft_configs(args: argparse.Namespace, out: Path) -> dict[str, Path]:
+    """The two drafts' configs: the shipped SmolLM2 configs with the demo's draft layers, block size
+    and target layer ids (the same for both, so that they share one feature capture)."""
+    paths = {}
+    for name, base in BASE_DRAFT_CONFIGS.items():
+        config = json.loads(base.read_text())
+        config.update(
+            num_hidden_layers=args.draft_layers, layer_types=["sliding_attention"] * args.draft_layers
+        )
+        config["dflash_config"].update(block_size=args.block_size, target_layer_ids=args.target_layer_ids)
+        paths[name] = out / "configs" / f"{name}.json"
+        paths[name].parent.mkdir(parents=True, exist_ok=True)
+        paths[name].write_text(json.dumps(config, indent=2) + "\n")
+    return paths
+
+
+def capture(data: Path, out: Path, max_length: int, draft_config: Path) -> Path:
     """The target's features at the drafts' target layers, once, for both drafts (same layer ids)."""
     features = out / "features"
     if (features / "manifest.json").is_file():
@@ -47,7 +64,7 @@ def capture(data: Path, out: Path, max_length: int) -> Path:
         return features
     command = [sys.executable, "data_prep/capture.py", "--config", CONFIGS["dflash2"], "--out", str(features)]
     command += [f"data.train={data}", f"data.max_length={max_length}", f"output_dir={out / 'capture'}"]
-    command += [f"model.draft_config={DRAFT_CONFIGS['dflash2']}"]
+    command += [f"model.draft_config={draft_config}"]
     demo.run(command, out / "capture.log")
     return features
 
@@ -57,14 +74,22 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", default="runs/demo-real")
-    parser.add_argument("--num-prompts", type=int, default=1200, help="training prompts built")
-    parser.add_argument("--regen-samples", type=int, default=600, help="of them, regenerated and trained on")
+    parser.add_argument("--num-prompts", type=int, default=1500, help="training prompts built")
+    parser.add_argument("--regen-samples", type=int, default=128, help="of them, regenerated and trained on")
     parser.add_argument("--regen-batch-size", type=int, default=32)
     parser.add_argument("--regen-max-new-tokens", type=int, default=128, help="longest regenerated reply")
-    parser.add_argument("--max-length", type=int, default=512, help="training sequence length")
+    parser.add_argument("--max-length", type=int, default=768, help="training sequence length")
+    parser.add_argument("--draft-layers", type=int, default=1, help="decoder layers of each draft")
+    parser.add_argument("--block-size", type=int, default=8)
+    parser.add_argument(
+        "--target-layer-ids",
+        type=lambda text: [int(i) for i in text.split(",")],
+        default=[1, 10, 19, 28],
+        help="target layers the drafts read, comma-separated (of 0..29)",
+    )
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per draft (equal budget)")
     parser.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts evaluated")
-    parser.add_argument("--max-new-tokens", type=int, default=96, help="tokens decoded per held-out prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens decoded per held-out prompt")
     parser.add_argument(
         "--train",
         action="append",
@@ -111,15 +136,17 @@ def build_data(args: argparse.Namespace, out: Path, stages: Stages) -> tuple[Sou
     return sources, regen
 
 
-def train_drafts(args: argparse.Namespace, out: Path, regen: Path, stages: Stages) -> dict[str, Path]:
+def train_drafts(
+    args: argparse.Namespace, out: Path, regen: Path, draft_configs: dict[str, Path], stages: Stages
+) -> dict[str, Path]:
     """Offline features once, then a DFlash and a DFlash 2 draft on them with the same budget."""
     with stages.next("capture the target's features offline (once, for both drafts)", "capture"):
-        features = capture(regen, out, args.max_length)
+        features = capture(regen, out, args.max_length, draft_configs["dflash2"])
     exports = {}
     for name, title in (("dflash", "DFlash (v1)"), ("dflash2", "DFlash 2")):
         with stages.next(f"train {title} from the features, {args.steps} steps", f"train_{name}"):
             overrides = (f"data.features_dir={features}", f"data.max_length={args.max_length}")
-            overrides += (f"model.draft_config={DRAFT_CONFIGS[name]}", *args.train)
+            overrides += (f"model.draft_config={draft_configs[name]}", *args.train)
             exports[name] = demo.train(name, CONFIGS[name], regen, out / name, args.steps, overrides, 1)
     return exports
 
@@ -130,14 +157,15 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     start, stages = time.time(), Stages(total=8)
     sources, regen = build_data(args, out, stages)
-    exports = train_drafts(args, out, regen, stages)
+    draft_configs = write_draft_configs(args, out)
+    exports = train_drafts(args, out, regen, draft_configs, stages)
     with stages.next("tau and speedup on held-out prompts (speculative decoding vs the target)", "evaluate"):
-        untrained = demo.export_untrained(out / "untrained" / "export", DRAFT_CONFIGS["dflash2"])
+        untrained = demo.export_untrained(out / "untrained" / "export", draft_configs["dflash2"])
         drafts = [("tau_untrained", untrained), ("tau_dflash", exports["dflash"])]
         drafts.append(("tau_dflash2", exports["dflash2"]))
         results = demo.evaluate_drafts(sources, drafts, args.eval_prompts, args.max_new_tokens)
     with stages.next("serving gate: overfit, export, reload, decode", "serving_gate"):
-        gate_arguments = ("--max-new-tokens", "64", f"model.draft_config={DRAFT_CONFIGS['dflash2']}")
+        gate_arguments = ("--max-new-tokens", "64", f"model.draft_config={draft_configs['dflash2']}")
         gate = demo.serving_gate(
             Sources(sources.target_dir, regen, sources.heldout_jsonl),
             out,
@@ -145,9 +173,7 @@ def main(argv: list[str] | None = None) -> int:
             *gate_arguments,
         )
     summary = {
-        "speedup_dflash": None,  # replaced by the evaluation's measured wall-clock speedups
-        "speedup_dflash2": None,
-        **results,
+        **results,  # tau_* and the trained drafts' speedup_*
         "serving_gate_passed": bool(gate["passed"]),
         "serving_gate_accept_length": gate["spec_accept_length"],
         "export_dflash": str(exports["dflash"]),
