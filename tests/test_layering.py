@@ -30,6 +30,7 @@ LAYERS = {
     "dflash2.fixtures": 1,
     "dflash2.distributed": 2,
     "dflash2.objective": 2,
+    "dflash2.draft_config": 2,
     "dflash2.capture": 3,
     "dflash2.checkpoint": 3,
     "dflash2.export": 4,

@@ -410,7 +410,9 @@ def _check_mask_token(cfg: dict, tokenizer: Any, problems: list[str]) -> None:
         )
 
 
-def _text_config(target_config: Any) -> Any:
+def text_config_of(target_config: Any) -> Any:
+    """The text decoder's config of a target config (dict, PretrainedConfig or path): its `text_config`
+    for a multimodal checkpoint, else the config itself."""
     if isinstance(target_config, (str, Path)):
         target_config = load_config_dict(target_config)
     text = _get(target_config, "text_config")
@@ -418,7 +420,7 @@ def _text_config(target_config: Any) -> Any:
 
 
 def _check_target(cfg: dict, target_config: Any, problems: list[str]) -> None:
-    target = _text_config(target_config)
+    target = text_config_of(target_config)
     for key in ("hidden_size", "vocab_size"):
         if cfg.get(key) != _get(target, key):
             problems.append(
