@@ -1,7 +1,7 @@
 PY ?= .venv/bin/python
 PIP ?= .venv/bin/pip
 
-.PHONY: install test lint format tiny smollm2 demo clean
+.PHONY: install test lint format tiny smollm2 demo demo-real clean
 
 install: .venv/.installed
 
@@ -23,6 +23,9 @@ smollm2: install
 
 demo: install
 	$(PY) launch/demo.py
+
+demo-real: smollm2
+	$(PY) launch/demo_real.py
 
 lint: install
 	$(PY) -m ruff check .

@@ -1,19 +1,28 @@
-"""Benchmark speculative decoding: wall time for a fixed number of new tokens, and whether one draft
-step costs more late in a generation than early.
+"""Benchmark speculative decoding: where a verify step's time goes, against the target's own decoding.
 
 Each prompt (the first `--num-prompts` of `--data`, rendered as `python -m dflash2.evaluate` renders
-them) is decoded greedily for exactly `--max-new-tokens` tokens: stop tokens are ignored, so every
-run does the same number of steps. The draft is `--draft` (an export), or by default an untrained
-draft built from `--draft-config` (seed 0): it accepts almost nothing, so there is one draft step per
-generated token, the most draft work a generation of that length can need.
+them) is decoded greedily for exactly `--max-new-tokens` tokens (stop tokens are ignored, so every
+run does the same number of steps), twice, interleaved as `python -m dflash2.evaluate` does: by the
+target alone (KV-cached, one forward per token) and by speculative decoding, whose every verify
+step is timed region by region (`dflash2.timing.StepTimer`, breakdown on; the regions are listed
+in `dflash2.decode`). The draft is `--draft` (an export), or by default an untrained draft built
+from `--draft-config` with its backbone sized to the target (hidden, heads, MLP, vocabulary, as the
+target has them), `--draft-layers` layers, block `--block-size` and `--target-layers` target
+layers spread over the target's depth (seed 0). An untrained draft accepts almost nothing, so
+there is one verify step per generated token: the most steps a generation of that length can need.
+Time per step hardly depends on the weights.
 
-Reported: the total wall time, process CPU time and tokens/s of `dflash2.evaluate.evaluate_prompts`,
-the mean acceptance length, and the median CPU time of one draft step (`dflash2.evaluate.draft_block`)
-over the first and over the last `--window-steps` steps of each generation. CPU time (all threads)
-is reported next to wall time because it depends less on other load on a shared host.
+Reported: tokens/s of both decodes and their ratio, the mean acceptance length, the mean wall and
+CPU time of one plain decoding step (target alone, per token) and of one verify step, split into
+its regions (self time: a region's own time without the regions inside it; `other` is the step's
+time outside every region), a verify step in plain decoding steps, and the speedup that step would
+give at a few acceptance lengths (`tau x plain step / verify step`). The median CPU time of the
+draft's block over the first and the last `--window-steps` steps tells whether a draft step costs
+more late in a generation than early.
 
-    .venv/bin/python benchmarks/eval_decode.py --target artifacts/tiny/target \\
-        --data artifacts/tiny/data/heldout.jsonl --max-new-tokens 512 --num-prompts 2
+    .venv/bin/python benchmarks/eval_decode.py --max-new-tokens 128 --num-prompts 2 --threads 1
+    .venv/bin/python benchmarks/eval_decode.py --target artifacts/smollm2/target \\
+        --draft-layers 1 --block-size 8 --max-new-tokens 64 --num-prompts 2 --threads 1
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -31,8 +41,14 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a plain script from any directory
     sys.path.insert(0, str(REPO_ROOT))
 
-from dflash2 import evaluate as ev  # noqa: E402
+from dflash2 import decode  # noqa: E402
+from dflash2.evaluate import encode_prompt, load_models, read_prompts  # noqa: E402
 from dflash2.models import TargetHead, build_draft  # noqa: E402
+from dflash2.models.config import default_target_layer_ids, load_config_dict  # noqa: E402
+from dflash2.target_state import use_decoding_layout  # noqa: E402
+from dflash2.timing import ITERATION, StepTimer  # noqa: E402
+
+TAUS = (1.5, 2.0, 3.0, 4.0)  # acceptance lengths the speedup is projected at
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -42,10 +58,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--data", type=Path, default=REPO_ROOT / "artifacts/tiny/data/heldout.jsonl", help="prompts")
     add("--draft", type=Path, default=None, help="export directory (default: an untrained draft)")
     add("--draft-config", type=Path, default=REPO_ROOT / "configs/draft/tiny-dflash2.json")
+    add("--draft-layers", type=int, default=None, help="untrained draft's layers (default: the config's)")
+    add("--block-size", type=int, default=None, help="untrained draft's block (default: the config's)")
+    add("--target-layers", type=int, default=None, help="target layers it reads (default: the config's)")
     add("--max-new-tokens", type=int, default=512)
     add("--num-prompts", type=int, default=2)
     add("--window-steps", type=int, default=64, help="draft steps timed at the start and at the end")
     add("--device", default="cpu")
+    add("--plain-layout", action="store_true", help="keep the weights as loaded (no use_decoding_layout)")
     add("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     add("--json", type=Path, default=None, help="write the report to this JSON file")
     args = parser.parse_args(argv)
@@ -55,30 +75,144 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def sized_draft_config(args: argparse.Namespace, target_config) -> dict:
+    """`--draft-config` with the target's backbone sizes and the requested layers / block."""
+    cfg = load_config_dict(args.draft_config)
+    text = target_config.get_text_config()
+    for key in (
+        "hidden_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "vocab_size",
+    ):
+        cfg[key] = getattr(text, key)
+    cfg["head_dim"] = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    dflash = cfg["dflash_config"]
+    layers = args.draft_layers or cfg["num_hidden_layers"]
+    cfg["num_hidden_layers"], cfg["layer_types"] = layers, [cfg["layer_types"][-1]] * layers
+    cfg["num_target_layers"] = dflash["num_target_layers"] = text.num_hidden_layers
+    num_ids = args.target_layers or len(dflash["target_layer_ids"])
+    dflash["target_layer_ids"] = default_target_layer_ids(text.num_hidden_layers, num_ids)
+    dflash["block_size"] = args.block_size or dflash["block_size"]
+    if "conv_group_size" in dflash and text.hidden_size % dflash["conv_group_size"]:
+        dflash["conv_group_size"] = next(g for g in (16, 12, 8, 4, 2, 1) if text.hidden_size % g == 0)
+    dflash["mask_token_id"] = text.vocab_size - 1  # never proposed by a draft this untrained
+    return cfg
+
+
 def load(args: argparse.Namespace):
-    """(draft, target, head, tokenizer) on args.device, fp32, eval mode."""
+    """(draft, target, head, tokenizer) on args.device, fp32, eval mode, laid out for decoding
+    (as `python -m dflash2.evaluate` loads them) unless --plain-layout."""
     if args.draft is not None:
-        return ev.load_models(args.draft, args.target, args.device)
+        return load_models(args.draft, args.target, args.device, decoding_layout=not args.plain_layout)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     target = AutoModelForCausalLM.from_pretrained(args.target).to(args.device).eval()
     torch.manual_seed(0)
-    draft = build_draft(args.draft_config, target_config=target.config, tokenizer=tokenizer)
-    return draft.to(args.device).eval(), target, TargetHead.from_target(target), tokenizer
+    draft = build_draft(sized_draft_config(args, target.config)).to(args.device).eval()
+    head = TargetHead.from_target(target)
+    if not args.plain_layout:
+        use_decoding_layout(target, draft, head)
+    return draft, target, head, tokenizer
 
 
-def timed_draft_steps(step_times: list[float]):
-    """`dflash2.evaluate.draft_block` that also appends its process CPU time to `step_times`."""
-    draft_block = ev.draft_block
+def step_breakdown(history: list[dict]) -> dict:
+    """Mean self time (wall, CPU) of every region of a verify step, and of the rest (`other`)."""
+    paths = sorted({path for step in history for path in step if path != ITERATION})
+    out = {}
+    for path in paths:
+        times = [step[path] for step in history if path in step]
+        out[path] = {
+            "wall_ms": 1e3 * sum(t.self_wall for t in times) / len(history),
+            "cpu_ms": 1e3 * sum(t.self_cpu for t in times) / len(history),
+        }
+    step_wall = 1e3 * statistics.mean(step[ITERATION].wall for step in history)
+    step_cpu = 1e3 * statistics.mean(step[ITERATION].cpu for step in history)
+    out["other"] = {
+        "wall_ms": max(0.0, step_wall - sum(out[p]["wall_ms"] for p in paths)),
+        "cpu_ms": max(0.0, step_cpu - sum(out[p]["cpu_ms"] for p in paths)),
+    }
+    out["step"] = {"wall_ms": step_wall, "cpu_ms": step_cpu}
+    return out
 
-    def timed(*args, **kwargs):
+
+def decode_all(args, draft, target, head, prompts) -> tuple[list, list, list, float, float]:
+    """Both decodes of every prompt, interleaved like dflash2.evaluate: (speculative results, the
+    target's own, every prompt's verify-step timings, CPU seconds of each decode)."""
+    timer = StepTimer(torch.device(args.device), breakdown=True, keep_history=True)
+    spec, plain, histories, cpu = [], [], [], {"spec": 0.0, "target": 0.0}
+
+    def timed(kind: str, results: list, run) -> None:
         start = time.process_time()
-        out = draft_block(*args, **kwargs)
-        step_times.append(time.process_time() - start)
-        return out
+        results.append(run())
+        cpu[kind] += time.process_time() - start
 
-    return timed
+    new = args.max_new_tokens
+    for index, ids in enumerate(prompts):
+        runs = [
+            ("target", plain, partial(decode.timed_target_generate, target, ids, max_new_tokens=new)),
+            (
+                "spec",
+                spec,
+                partial(
+                    decode.speculative_generate, draft, target, head, ids, max_new_tokens=new, timer=timer
+                ),
+            ),
+        ]
+        for kind, results, run in runs if index % 2 == 0 else runs[::-1]:  # taking turns at going first
+            timed(kind, results, run)
+        histories.append(timer.history)
+        timer.history = []
+    return spec, plain, histories, cpu["spec"], cpu["target"]
+
+
+def report_of(args, prompts, spec, plain, histories, spec_cpu_s: float, plain_cpu_s: float) -> dict:
+    steps = [step for history in histories for step in history]
+    breakdown = step_breakdown(steps)
+    spec_tokens, plain_tokens = sum(len(r.output_ids) for r in spec), sum(len(r.output_ids) for r in plain)
+    spec_wall, plain_wall = sum(r.wall_s for r in spec), sum(r.wall_s for r in plain)
+    plain_step_ms = 1e3 * plain_wall / plain_tokens
+    block_cpu = [step["draft_block"].cpu for step in steps]
+    windows = [[s["draft_block"].cpu for s in h] for h in histories]
+    return {
+        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "prompt_tokens": [len(ids) for ids in prompts],
+        "generated_tokens": spec_tokens,
+        "outputs_equal_target": sum(r.output_ids == t.output_ids for r, t in zip(spec, plain)),
+        "mean_acceptance_length": statistics.mean(t for r in spec for t in r.acceptance_lengths),
+        "spec_tokens_per_s": spec_tokens / spec_wall,
+        "target_tokens_per_s": plain_tokens / plain_wall,
+        "speedup": (spec_tokens / spec_wall) / (plain_tokens / plain_wall),
+        "wall_s": spec_wall,
+        "target_wall_s": plain_wall,
+        "cpu_s": spec_cpu_s,  # of the speculative decodes
+        "target_cpu_s": plain_cpu_s,
+        "plain_step_ms": plain_step_ms,
+        "plain_step_cpu_ms": 1e3 * plain_cpu_s / plain_tokens,
+        "verify_step": breakdown,
+        "verify_step_in_plain_steps": breakdown["step"]["wall_ms"] / plain_step_ms,
+        "verify_step_in_plain_steps_cpu": breakdown["step"]["cpu_ms"] / (1e3 * plain_cpu_s / plain_tokens),
+        "projected_speedup": {str(t): t * plain_step_ms / breakdown["step"]["wall_ms"] for t in TAUS},
+        "draft_step_cpu_s_first_steps": statistics.median(x for w in windows for x in w[: args.window_steps]),
+        "draft_step_cpu_s_last_steps": statistics.median(x for w in windows for x in w[-args.window_steps :]),
+        "draft_step_cpu_s_mean": statistics.mean(block_cpu),
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def print_table(report: dict) -> None:
+    print(f"{'region':<28} {'wall ms':>9} {'cpu ms':>9}")
+    for path, t in report["verify_step"].items():
+        print(f"{path:<28} {t['wall_ms']:>9.2f} {t['cpu_ms']:>9.2f}")
+    print(f"{'plain decoding step':<28} {report['plain_step_ms']:>9.2f}")
+    print(
+        f"verify step = {report['verify_step_in_plain_steps']:.2f} plain steps; tau {report['mean_acceptance_length']:.2f}"
+    )
+    print(
+        f"tokens/s: speculative {report['spec_tokens_per_s']:.1f}, target alone {report['target_tokens_per_s']:.1f}"
+    )
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -86,36 +220,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     draft, target, head, tokenizer = load(args)
-    prompts = [ev.encode_prompt(m, tokenizer) for m in ev.read_prompts(args.data, args.num_prompts)]
-    early, late, original = [], [], ev.draft_block
-    results = []
-    cpu_start = time.process_time()
-    try:
-        for ids in prompts:
-            step_times: list[float] = []
-            ev.draft_block = timed_draft_steps(step_times)
-            summary, _ = ev.evaluate_prompts(draft, target, head, [ids], max_new_tokens=args.max_new_tokens)
-            results.append(summary)
-            early += step_times[: args.window_steps]
-            late += step_times[-args.window_steps :]
-    finally:
-        ev.draft_block = original
-    cpu = time.process_time() - cpu_start
-    wall = sum(r["wall_s"] for r in results)
-    generated = sum(r["generated_tokens"] for r in results)
-    report = {
-        "config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-        "prompt_tokens": [len(ids) for ids in prompts],
-        "generated_tokens": generated,
-        "wall_s": wall,
-        "cpu_s": cpu,
-        "tokens_per_s": generated / wall,
-        "mean_acceptance_length": statistics.mean(r["mean_acceptance_length"] for r in results),
-        "draft_step_cpu_s_first_steps": statistics.median(early),
-        "draft_step_cpu_s_last_steps": statistics.median(late),
-        "torch_threads": torch.get_num_threads(),
-    }
+    prompts = [encode_prompt(m, tokenizer) for m in read_prompts(args.data, args.num_prompts)]
+    report = report_of(args, prompts, *decode_all(args, draft, target, head, prompts))
     print(json.dumps(report, indent=2))
+    print_table(report)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(report, indent=2) + "\n")

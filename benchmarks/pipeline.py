@@ -2,9 +2,9 @@
 in one run of a run config, with the floor the LM head sets for the objective.
 
     python benchmarks/pipeline.py [--config configs/tiny-dflash2.yaml] [key=value ...] [--json out.json]
-    torchrun --standalone --nproc_per_node 2 benchmarks/pipeline.py backend=fsdp
+    torchrun --standalone --nproc_per_node 2 benchmarks/pipeline.py backend=fsdp train.micro_batch_size=4
     torchrun --standalone --nproc_per_node 3 benchmarks/pipeline.py backend=fsdp \\
-        topology=disaggregated capture_ranks=1
+        topology=disaggregated capture_ranks=1 train.micro_batch_size=4
 
 Colocated (every rank captures and trains): one process group, one setup (`dflash2.train.build_setup`)
 and the same micro-batches for every pass (the first `--warmup + --steps` optimizer steps of the

@@ -3,7 +3,8 @@
 A step is forward + backward of `dflash2.objective.compute_objective` on a randomly initialised
 draft, with random target features and a random `TargetHead`. For every anchor count in
 `--anchors` and every variant (`chunked`: the fused chunked CE; `naive`: full [rows, V] logits
-through autograd) it reports the median step time over `--repeats` (after one warm-up step),
+through autograd; `kl`: chunked CE + KL to the target's distribution; `tv`: chunked 0.1 CE + 0.9 TV)
+it reports the median step time over `--repeats` (after one warm-up step),
 anchors/s, supervised slot tokens/s and the peak memory the step adds on top of the model and
 inputs.
 
@@ -41,7 +42,16 @@ from dflash2.config import ObjectiveSection  # noqa: E402
 from dflash2.models import TargetHead, build_draft  # noqa: E402
 from dflash2.objective import ObjectiveConfig, compute_objective  # noqa: E402
 
-VARIANTS = ("chunked", "naive")
+VARIANTS = ("chunked", "naive", "kl", "tv")
+# The objective settings of each variant: the chunked CE alone (chunked, and naive through autograd),
+# CE + KL to the target's distribution, and the 0.1 CE + 0.9 TV mix (both chunked, with a random
+# final-normed target hidden state [batch, S, H] as the teacher's input).
+VARIANT_OBJECTIVE = {
+    "chunked": {},
+    "naive": {},
+    "kl": {"ce_weight": 1.0, "kl_weight": 1.0},
+    "tv": {"ce_weight": 0.1, "tv_weight": 0.9},
+}
 RESULT_PREFIX = "BENCH_RESULT "  # marks the worker's result line on stdout
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 NUM_TARGET_LAYERS = 36  # a Qwen3-8B-sized target; the draft reads one target layer per draft layer
@@ -78,7 +88,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=ObjectiveSection.model_fields["logits_chunk_rows"].default,
         help="rows per logits chunk",
     )
-    add("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS, help="objective paths to run")
+    add(
+        "--variants",
+        nargs="+",
+        default=["chunked", "naive"],
+        choices=VARIANTS,
+        help="objective paths to run (kl: CE + KL, tv: 0.1 CE + 0.9 TV, against a random teacher)",
+    )
     add("--dtype", default="float32", choices=sorted(DTYPES), help="draft, head and feature dtype")
     add("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda")
     add("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
@@ -158,8 +174,8 @@ def draft_config(args: argparse.Namespace) -> dict:
     }
 
 
-def build_case(args: argparse.Namespace, num_anchors: int):
-    """(draft, head, batch, objective config) on args.device, all random and seeded."""
+def build_case(args: argparse.Namespace, num_anchors: int, variant: str = "chunked"):
+    """(draft, head, batch, objective config) of `variant` on args.device, all random and seeded."""
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     torch.manual_seed(args.seed)
     draft = build_draft(draft_config(args)).to(device=device, dtype=dtype).train()
@@ -173,7 +189,14 @@ def build_case(args: argparse.Namespace, num_anchors: int):
         "loss_mask": torch.ones(args.batch, args.seq_len, dtype=torch.long, device=device),
         "features": torch.randn(args.batch, args.seq_len, num_features, dtype=dtype, device=device),
     }
-    cfg = ObjectiveConfig.for_draft(draft, num_anchors=num_anchors, logits_chunk_rows=args.chunk_rows)
+    settings = VARIANT_OBJECTIVE[variant]
+    if settings:  # the teacher's input: the target's final-normed last hidden state
+        batch["target_last_hidden"] = torch.randn(
+            args.batch, args.seq_len, args.hidden, dtype=dtype, device=device
+        )
+    cfg = ObjectiveConfig.for_draft(
+        draft, num_anchors=num_anchors, logits_chunk_rows=args.chunk_rows, **settings
+    )
     return draft, head, batch, cfg
 
 
@@ -198,7 +221,7 @@ def _synchronize(device: torch.device) -> None:
 def measure(args: argparse.Namespace, num_anchors: int, variant: str) -> dict:
     """Build, warm up once, time `repeats` steps; peak memory above the post-build baseline."""
     device = torch.device(args.device)
-    draft, head, batch, cfg = build_case(args, num_anchors)
+    draft, head, batch, cfg = build_case(args, num_anchors, variant)
     # Gradient buffers exist in a real loop before any step: allocate them as part of the baseline.
     for p in draft.parameters():
         p.grad = torch.zeros_like(p)
@@ -273,15 +296,15 @@ def summarize(results: list[dict]) -> dict:
     """Chunked/naive ratios per anchor count, and how the step time scales with the anchors."""
     by_key = {(r["num_anchors"], r["variant"]): r for r in results}
     anchors = sorted({r["num_anchors"] for r in results})
-    summary: dict = {"chunked_vs_naive": {}, "scaling": {}}
+    summary: dict = {"chunked_vs_naive": {}, "scaling": {}, "distill_vs_chunked": {}}
     for n in anchors:
+        for variant in ("kl", "tv"):
+            if (n, variant) in by_key and (n, "chunked") in by_key:
+                summary["distill_vs_chunked"].setdefault(str(n), {})[variant] = _ratios(
+                    by_key[n, variant], by_key[n, "chunked"]
+                )
         if (n, "chunked") in by_key and (n, "naive") in by_key:
-            chunked, naive = by_key[n, "chunked"], by_key[n, "naive"]
-            summary["chunked_vs_naive"][str(n)] = {
-                "memory_ratio": chunked["peak_memory_bytes"] / max(naive["peak_memory_bytes"], 1),
-                "time_ratio": chunked["step_time_s"] / naive["step_time_s"],
-                "cpu_time_ratio": chunked["cpu_time_s"] / naive["cpu_time_s"],
-            }
+            summary["chunked_vs_naive"][str(n)] = _ratios(by_key[n, "chunked"], by_key[n, "naive"])
     for variant in VARIANTS:
         runs = {n: by_key[n, variant] for n in anchors if (n, variant) in by_key}
         if len(runs) >= 2:
@@ -296,6 +319,14 @@ def summarize(results: list[dict]) -> dict:
                 if n != smallest
             }
     return summary
+
+
+def _ratios(run: dict, base: dict) -> dict:
+    return {
+        "memory_ratio": run["peak_memory_bytes"] / max(base["peak_memory_bytes"], 1),
+        "time_ratio": run["step_time_s"] / base["step_time_s"],
+        "cpu_time_ratio": run["cpu_time_s"] / base["cpu_time_s"],
+    }
 
 
 def environment(args: argparse.Namespace) -> dict:

@@ -111,8 +111,28 @@ def _as_json(obj: Any) -> Any:
     return json.loads(json.dumps(obj))
 
 
+# Contract fields that one run config key sets: a refusal names the override that restores them.
+CONTRACT_OVERRIDES = {
+    "global_batch_size": "train.global_batch_size",
+    "num_anchors": "objective.num_anchors",
+    "loss_gamma": "objective.loss_gamma",
+    "selector_loss_alpha": "objective.selector_loss_alpha",
+    "selector_mode": "objective.selector_mode",
+    "chat_template_kwargs": "data.chat_template_kwargs",
+    "seed": "seed",
+}
+
+
+def _restoring_override(field: str, value: Any) -> str:
+    """`key=value` that sets a contract field back to `value`, quoted for a shell when it must be."""
+    text = json.dumps(value) if isinstance(value, (dict, list)) or value is None else str(value)
+    item = f"{CONTRACT_OVERRIDES[field]}={text}"
+    return f"'{item}'" if any(c in item for c in " {}[]\"'") else item
+
+
 def validate_contract(saved: dict, new: dict) -> None:
-    """Raise ValueError listing every field whose saved and new values differ (or that one side lacks)."""
+    """Raise ValueError listing every field whose saved and new values differ (or that one side lacks);
+    the fields a run config key sets come with the override that resumes (`train.global_batch_size=16`)."""
     saved, new = _as_json(saved), _as_json(new)
 
     def show(contract: dict, field: str) -> str:
@@ -124,10 +144,19 @@ def validate_contract(saved: dict, new: dict) -> None:
         if field not in saved or field not in new or saved[field] != new[field]
     ]
     if mismatches:
+        restoring = [
+            _restoring_override(field, saved[field])
+            for field in sorted(set(saved) & set(new) & set(CONTRACT_OVERRIDES))
+            if saved[field] != new[field]
+        ]
+        resume = f"To resume, add these overrides: {' '.join(restoring)}\n" if restoring else ""
         raise ValueError(
             "the checkpoint was written by a different run setup; resuming would not continue the same run.\n"
-            "Mismatched contract fields:\n" + "\n".join(mismatches) + "\n"
-            "Restore these settings, or start a new run directory."
+            "Mismatched contract fields:\n"
+            + "\n".join(mismatches)
+            + "\n"
+            + resume
+            + "Restore these settings, or start a new run directory."
         )
 
 
@@ -347,7 +376,12 @@ def check_resume(ckpt_dir: Path, contract: dict) -> None:
             f"{ckpt_dir} is not a complete checkpoint (no {COMPLETE} marker); resume from a checkpoint "
             f"directory that has one, e.g. <output_dir>/{CHECKPOINTS}/{step_dir_name(100)}"
         )
-    validate_contract(json.loads((Path(ckpt_dir) / CONTRACT).read_text()), contract)
+    validate_contract(read_contract(ckpt_dir), contract)
+
+
+def read_contract(ckpt_dir: Path) -> dict:
+    """The contract a checkpoint was written under (contract.json): the run's settings it holds."""
+    return json.loads((Path(ckpt_dir) / CONTRACT).read_text())
 
 
 def resume_point(resume: str, run_dir: Path) -> Path | None:

@@ -3,6 +3,7 @@ group starts. Unknown keys are errors. The resolved config is saved in the run d
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
 from pathlib import Path
@@ -47,6 +48,34 @@ class ObjectiveSection(_Section):
     selector_mode: Literal["insert", "strict"] = "insert"
     logits_chunk_rows: int = Field(1024, ge=1)  # rows of [supervised slots, V] logits alive at once
     coverage_top_k: int = Field(16, ge=1)  # top-k of the coverage metrics when the draft has no selector
+    # the block loss: ce_weight * CE(label) + kl_weight * KL(p_target || q_draft) + tv_weight * TV,
+    # each summed over the supervised slots with the position weights (docs/training.md)
+    ce_weight: float = Field(1.0, ge=0)
+    kl_weight: float = Field(0.0, ge=0)
+    tv_weight: float = Field(0.0, ge=0)
+    distill_temperature: float = Field(1.0, gt=0)  # p_target = softmax(target logits / T)
+    # slot weights: "gamma" = exp(-(k-1)/loss_gamma) (uniform when loss_gamma is null), "exponential" =
+    # position_decay ** (k-1), "uniform" = 1
+    position_weighting: Literal["gamma", "exponential", "uniform"] = "gamma"
+    position_decay: float = Field(0.8, gt=0, le=1)
+
+    @property
+    def needs_teacher(self) -> bool:
+        """Whether the loss needs the target's distribution (its final-normed last hidden state)."""
+        return self.kl_weight > 0 or self.tv_weight > 0
+
+    @model_validator(mode="after")
+    def _check_loss_terms(self) -> ObjectiveSection:
+        if self.ce_weight == 0 and not self.needs_teacher:
+            raise ValueError(
+                "objective.ce_weight, kl_weight and tv_weight are all 0: no loss to train; set at least one > 0"
+            )
+        if self.loss_gamma is not None and self.position_weighting != "gamma":
+            raise ValueError(
+                f"objective.loss_gamma={self.loss_gamma} is only read by position_weighting=gamma (it is "
+                f"{self.position_weighting!r}); set loss_gamma=null or position_weighting=gamma"
+            )
+        return self
 
 
 class OptimConfig(_Section):
@@ -172,9 +201,26 @@ def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunCo
     try:
         return RunConfig.model_validate(tree)
     except ValidationError as err:
-        lines = [f"  {'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}" for e in err.errors()]
+        lines = [
+            f"  {'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}{_suggestion(e)}" for e in err.errors()
+        ]
         source = path or "overrides"
         raise ValueError(f"invalid run config ({source}):\n" + "\n".join(lines)) from None
+
+
+def _suggestion(error: dict) -> str:
+    """For an unknown key, the nearest valid key of its section: `; did you mean train.max_steps?`."""
+    if error["type"] != "extra_forbidden":
+        return ""
+    *section, key = map(str, error["loc"])
+    model: type[BaseModel] = RunConfig
+    for name in section:
+        annotation = model.model_fields[name].annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return ""
+        model = annotation
+    close = difflib.get_close_matches(key, list(model.model_fields), n=1)
+    return f"; did you mean {'.'.join([*section, close[0]])}?" if close else ""
 
 
 def require_path(path: str | Path, name: str, kind: str, what: str) -> Path:

@@ -3,6 +3,7 @@
     0   done
     1   a failure (a bug, a crash, a collective that timed out, a checkpoint that could not be written)
     2   a user error: config, command line, paths, data, resume contract; the message names the fix
+    3   `python -m dflash2.plan`: the run does not fit in the devices' memory
     75  stopped on SIGTERM, SIGINT or SIGUSR1 after writing a checkpoint: run the same command again to
         resume (75 is EX_TEMPFAIL; the SLURM scripts requeue on it)
 
@@ -22,6 +23,7 @@ from collections.abc import Callable, Sequence
 
 EXIT_FAILED = 1
 EXIT_USER_ERROR = 2
+EXIT_DOES_NOT_FIT = 3
 EXIT_STOPPED = 75
 DEBUG_ENV = "DFLASH2_DEBUG"
 

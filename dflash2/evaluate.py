@@ -1,25 +1,11 @@
-"""Speculative decoding of an exported draft against its target: the measured acceptance length tau.
+"""Evaluation of an exported draft against its target: the measured acceptance length tau and the
+wall-clock speedup over the target's own greedy decoding.
 
-One request at a time (batch size 1), as a server runs it:
-
-    prefill the prompt with the target          -> first token, features of the prompt
-    repeat:
-        draft a block from the anchor (the last committed token), given the target features of
-        every committed position before it (the draft's context cache) -> B-1 proposals
-        verify [anchor, proposals] with ONE target forward (its cached state, layer outputs)
-        accept the longest correct prefix + one bonus token from the target
-        append the committed positions' features to the draft's context cache; roll the target's
-        state back to them (attention KV, conv and recurrent states: dflash2.target_state)
-
-Greedy (temperature 0): a proposal is accepted while it equals the target's argmax, so the output
-is exactly the target's own greedy decoding. Temperature > 0: lossless rejection sampling (accept x
-with probability min(1, p(x) / q(x)); on rejection sample from normalize(max(p - q, 0)); bonus from
-p), so the output is distributed exactly as the target's own sampling. For DFlash 2, q is the
-selector walk's sampling row over its k candidates (zero outside them).
-
-tau of a verify step = tokens it commits (accepted proposals + the bonus, 1 <= tau <= B); a step
-that reaches a stop token or max_new_tokens counts only the tokens it keeps, so that
-sum(tau) + 1 (the prefill token) == number of generated tokens.
+Every prompt is decoded twice in this process, prompt by prompt, alternating which goes first (so
+the machine's load weighs on both alike): by speculative decoding (`dflash2.decode`) and by the
+target alone (greedy, KV-cached, one forward per token). The summary holds tau and its histogram,
+both speeds (`spec_tokens_per_s`, `target_tokens_per_s`) and their ratio (`speedup`); it goes to a
+JSON file, TensorBoard, a PNG and a printed table.
 
 CLI: python -m dflash2.evaluate --draft <export> --target <dir> --data <jsonl> [options]
 """
@@ -31,7 +17,6 @@ import json
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -40,210 +25,12 @@ from torch import nn
 from dflash2.config import require_path, torch_dtype
 from dflash2.data.jsonl import SampleError, iter_lines, parse_sample, prompt_turns
 from dflash2.data.render import encode_prompt, stop_token_ids
+from dflash2.decode import Clock, GenerationResult, TargetResult, speculative_generate, timed_target_generate
 from dflash2.errors import add_debug_flag, run_main
 from dflash2.export import TRAINING_RUN_NAME, read_training_run
 from dflash2.models import TargetHead, load_draft
-from dflash2.models.context_cache import DraftContextCache
 from dflash2.models.draft import DFlashDraftModel
-from dflash2.target_state import TargetState, new_cache
-
-# ------------------------------------------------------------------ decoding
-
-
-@dataclass
-class GenerationResult:
-    output_ids: list[int]  # generated tokens (the prompt excluded; a stop token included)
-    acceptance_lengths: list[int]  # tau of every verify step
-    num_target_forwards: int  # prefill + verify forwards
-    num_rollback_forwards: int  # extra forwards re-feeding the kept tokens of partly rejected blocks
-    clean_block_tokens: int  # tokens committed by steps in which every proposal was accepted
-    block_size: int
-    stop_reason: str  # "stop_token" | "max_new_tokens"
-    wall_s: float = 0.0
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        steps = self.acceptance_lengths
-        return sum(steps) / len(steps) if steps else 0.0
-
-
-@dataclass
-class _Context:
-    """What the decoder carries between verify steps."""
-
-    state: TargetState  # the target's state over the committed positions (before the anchor)
-    draft_context: DraftContextCache  # the draft's K/V of the committed positions before the anchor
-    anchor: int  # the last committed token, at position p
-    output: list[int] = field(default_factory=list)
-
-
-def _sample(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator)[0])
-
-
-def _pick(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> int:
-    """The target's own choice of the next token from logits [V]."""
-    if temperature > 0:
-        return _sample(torch.softmax(logits.float() / temperature, dim=-1), generator)
-    return int(logits.argmax())
-
-
-@torch.no_grad()
-def draft_block(
-    draft: DFlashDraftModel,
-    head: TargetHead,
-    context: DraftContextCache,
-    anchor: int,
-    temperature: float = 0.0,
-    generator: torch.Generator | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-    """Propose B-1 tokens after `anchor` (at position p = context.length).
-
-    Returns (tokens [B-1], candidates [B-1, k] or None, q [B-1, V] (v1) or [B-1, k] (v2)).
-    """
-    device = next(draft.parameters()).device
-    block_ids = torch.tensor([[anchor] + [draft.mask_token_id] * (draft.block_size - 1)], device=device)
-    block_embeds = head.embed(block_ids)[:, None].to(next(draft.parameters()).dtype)  # [1, 1, B, H]
-    hidden = draft.decode_block(block_embeds, context)  # [1, 1, B, H]
-    tokens, candidates, q = draft.propose(
-        hidden[:, 0, 1:], torch.tensor([anchor], device=device), head, temperature, generator
-    )
-    return tokens[0], None if candidates is None else candidates[0], q[0]
-
-
-def _full_vocab_q(q: torch.Tensor, candidates: torch.Tensor | None, vocab_size: int) -> torch.Tensor:
-    """Draft probabilities over the whole vocabulary [B-1, V] (zero outside the v2 candidates)."""
-    if candidates is None:
-        return q.float()
-    full = torch.zeros(q.shape[0], vocab_size, device=q.device)
-    return full.scatter_(1, candidates, q.float())
-
-
-def verify_greedy(proposals: list[int], target_logits: torch.Tensor) -> tuple[int, int]:
-    """target_logits [B, V]: row i is the target's prediction after [anchor, proposals[:i]].
-    Returns (number of accepted proposals n, bonus token = the target's argmax after them)."""
-    choice = target_logits.argmax(dim=-1).tolist()
-    n = 0
-    while n < len(proposals) and proposals[n] == choice[n]:
-        n += 1
-    return n, choice[n]
-
-
-def verify_sampling(
-    proposals: list[int],
-    q: torch.Tensor,
-    target_logits: torch.Tensor,
-    temperature: float,
-    generator: torch.Generator | None,
-) -> tuple[int, int]:
-    """Lossless rejection sampling. q [B-1, V] the draft's distribution of each proposal (given the
-    previous ones); target_logits [B, V]. Returns (accepted proposals n, the token after them)."""
-    p = torch.softmax(target_logits.float() / temperature, dim=-1)
-    for i, token in enumerate(proposals):
-        ratio = p[i, token] / q[i, token]
-        u = torch.rand((), generator=generator, device=p.device)
-        if u >= ratio:  # rejected with probability 1 - min(1, p/q)
-            residual = torch.clamp(p[i] - q[i], min=0.0)
-            assert residual.sum() > 0, "rejection happens only where p(x) < q(x), so p - q has mass"
-            return i, _sample(residual / residual.sum(), generator)
-    return len(proposals), _sample(p[len(proposals)], generator)
-
-
-def _commit(ctx: _Context, tokens: list[int], stop_ids: set[int], max_new_tokens: int) -> tuple[int, bool]:
-    """Append tokens up to a stop token or the length limit. Returns (kept, finished)."""
-    kept = 0
-    for token in tokens:
-        ctx.output.append(token)
-        kept += 1
-        if token in stop_ids or len(ctx.output) >= max_new_tokens:
-            return kept, True
-    return kept, False
-
-
-@torch.no_grad()
-def speculative_generate(
-    draft: DFlashDraftModel,
-    target: nn.Module,
-    head: TargetHead,
-    input_ids: Sequence[int] | torch.Tensor,
-    *,
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    stop_token_ids: Sequence[int] = (),
-    generator: torch.Generator | None = None,
-) -> GenerationResult:
-    """Decode one prompt (token ids, batch size 1) with draft + target; see the module docstring."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    prompt = [int(t) for t in (input_ids.flatten().tolist() if torch.is_tensor(input_ids) else input_ids)]
-    if not prompt:
-        raise ValueError("the prompt is empty: speculative decoding needs at least one prompt token")
-    start = time.perf_counter()
-    stop_ids = {int(t) for t in stop_token_ids}
-
-    state = TargetState(target, draft.target_layer_ids)
-    logits, features = state.prefill(prompt)
-    draft_context = draft.new_context_cache()
-    draft.extend_context(draft_context, features)
-    ctx = _Context(state=state, draft_context=draft_context, anchor=_pick(logits[-1], temperature, generator))
-    _, finished = _commit(ctx, [ctx.anchor], stop_ids, max_new_tokens)
-    taus: list[int] = []
-    num_forwards, clean_tokens = 1, 0
-    while not finished:
-        proposals, candidates, q = draft_block(
-            draft, head, ctx.draft_context, ctx.anchor, temperature, generator
-        )
-        proposals = proposals.tolist()
-        logits, block_features = ctx.state.verify([ctx.anchor] + proposals)
-        num_forwards += 1
-        if temperature > 0:
-            q_full = _full_vocab_q(q, candidates, logits.shape[-1])
-            n, bonus = verify_sampling(proposals, q_full, logits, temperature, generator)
-        else:
-            n, bonus = verify_greedy(proposals, logits)
-        # The anchor and the accepted proposals are now committed positions with valid features;
-        # the rejected proposals leave the target's state; the bonus becomes the next anchor.
-        draft.extend_context(ctx.draft_context, block_features[:, : n + 1])
-        ctx.state.keep(n + 1)
-        ctx.anchor = bonus
-        kept, finished = _commit(ctx, proposals[:n] + [bonus], stop_ids, max_new_tokens)
-        taus.append(kept)
-        if n == len(proposals):
-            clean_tokens += kept
-    return GenerationResult(
-        output_ids=ctx.output,
-        acceptance_lengths=taus,
-        num_target_forwards=num_forwards,
-        num_rollback_forwards=state.num_rollback_forwards,
-        clean_block_tokens=clean_tokens,
-        block_size=draft.block_size,
-        stop_reason="stop_token" if ctx.output[-1] in stop_ids else "max_new_tokens",
-        wall_s=time.perf_counter() - start,
-    )
-
-
-@torch.no_grad()
-def target_generate(
-    target: nn.Module,
-    input_ids: Sequence[int],
-    *,
-    max_new_tokens: int,
-    stop_token_ids: Sequence[int] = (),
-) -> list[int]:
-    """The target's own greedy decoding (one forward per token): the reference speculative
-    decoding must reproduce."""
-    device = next(target.parameters()).device
-    cache, output, ids = new_cache(target), [], [int(t) for t in input_ids]
-    while len(output) < max_new_tokens:
-        logits = target(input_ids=torch.tensor([ids], device=device), cache=cache, use_cache=True).logits
-        ids = [int(logits[0, -1].argmax())]
-        output += ids
-        if ids[0] in stop_token_ids:
-            break
-    return output
-
+from dflash2.target_state import use_decoding_layout
 
 # ------------------------------------------------------------------ prompts
 
@@ -296,13 +83,35 @@ def summarize(results: list[GenerationResult], block_size: int) -> dict:
     }
 
 
+def speed_summary(results: list[GenerationResult], target_results: list[TargetResult]) -> dict:
+    """Speculative decoding vs the target alone on the same prompts: tokens/s of each, their ratio
+    (`speedup` > 1: speculative decoding is faster), and how many greedy outputs are the same."""
+    spec_tokens, spec_wall = sum(len(r.output_ids) for r in results), sum(r.wall_s for r in results)
+    target_tokens = sum(len(r.output_ids) for r in target_results)
+    target_wall = sum(r.wall_s for r in target_results)
+    spec_speed = spec_tokens / spec_wall if spec_wall > 0 else 0.0
+    target_speed = target_tokens / target_wall if target_wall > 0 else 0.0
+    return {
+        "spec_tokens_per_s": spec_speed,
+        "target_tokens_per_s": target_speed,
+        "speedup": spec_speed / target_speed if target_speed > 0 else 0.0,
+        "target_generated_tokens": target_tokens,
+        "target_wall_s": target_wall,
+        "outputs_equal_target": sum(r.output_ids == t.output_ids for r, t in zip(results, target_results)),
+    }
+
+
+SPEED_KEYS = ("spec_tokens_per_s", "target_tokens_per_s", "speedup")
+
+
 def write_tensorboard(summary: dict, tb_dir: str | Path, step: int) -> None:
     """eval/... scalars at `step`, the training step of the evaluated export."""
     from torch.utils.tensorboard import SummaryWriter
 
     writer = SummaryWriter(str(tb_dir))
-    for key in ("mean_acceptance_length", "target_forwards_per_token", "tokens_per_s", "wall_s"):
-        writer.add_scalar(f"eval/{key}", summary[key], step)
+    for key in ("mean_acceptance_length", "target_forwards_per_token", "tokens_per_s", "wall_s", *SPEED_KEYS):
+        if key in summary:
+            writer.add_scalar(f"eval/{key}", summary[key], step)
     for tau, count in summary["acceptance_histogram"].items():
         writer.add_scalar(f"eval/acceptance_histogram/tau_{tau}", count, step)
     writer.close()
@@ -343,9 +152,22 @@ def format_table(summary: dict) -> str:
         ("tokens/s", f"{summary['tokens_per_s']:.1f}"),
         ("wall time (s)", f"{summary['wall_s']:.2f}"),
     ]
+    if "speedup" in summary:
+        rows += speed_rows(summary)
     rows += [(f"  tau = {k}", str(v)) for k, v in summary["acceptance_histogram"].items()]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
+
+
+def speed_rows(summary: dict) -> list[tuple[str, str]]:
+    """The table's rows comparing speculative decoding with the target alone."""
+    speedup = summary["speedup"]
+    verdict = "faster than" if speedup > 1 else "as fast as" if speedup == 1 else "slower than"
+    return [
+        ("target alone tokens/s", f"{summary['target_tokens_per_s']:.1f} (greedy, KV cache)"),
+        ("speculative tokens/s", f"{summary['spec_tokens_per_s']:.1f}"),
+        ("speedup", f"{speedup:.2f}x: speculative decoding is {verdict} the target alone"),
+    ]
 
 
 # ------------------------------------------------------------------ evaluate
@@ -361,27 +183,51 @@ def evaluate_prompts(
     temperature: float = 0.0,
     stop_token_ids: Sequence[int] = (),
     seed: int = 0,
+    compare_target: bool = True,
+    clock: Clock = time.perf_counter,
 ) -> tuple[dict, list[GenerationResult]]:
-    """Decode every prompt (token ids) and summarise; usable with in-memory models (e.g. in training)."""
+    """Decode every prompt (token ids) and summarise; usable with in-memory models (e.g. in training).
+
+    `compare_target`: also decode every prompt with the target alone (greedy), interleaved with the
+    speculative decodes (prompt by prompt, the two taking turns at going first), and add
+    `speed_summary` to the summary. `clock`: what both decodes' wall times are read from."""
     generator = torch.Generator(device=next(target.parameters()).device).manual_seed(seed)
-    results = [
-        speculative_generate(
-            draft,
-            target,
-            head,
-            ids,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            stop_token_ids=stop_token_ids,
-            generator=generator,
+    common = dict(max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, clock=clock)
+    results, target_results = [], []
+    for index, ids in enumerate(prompts):
+        target_first = index % 2 == 0
+        if compare_target and target_first:
+            target_results.append(timed_target_generate(target, ids, **common))
+        results.append(
+            speculative_generate(
+                draft, target, head, ids, temperature=temperature, generator=generator, **common
+            )
         )
-        for ids in prompts
-    ]
-    return summarize(results, draft.block_size), results
+        if compare_target and not target_first:
+            target_results.append(timed_target_generate(target, ids, **common))
+    summary = summarize(results, draft.block_size)
+    if compare_target:
+        summary.update(speed_summary(results, target_results))
+    return summary, results
 
 
-def load_models(draft_dir: str | Path, target_dir: str | Path, device: str = "cpu", dtype=torch.float32):
-    """(draft, target, head, tokenizer) in eval mode."""
+def greedy_mismatch_note(num_differing: int, num_prompts: int) -> str:
+    return (
+        f"{num_differing} of {num_prompts} greedy outputs differ from the target's own greedy decoding: "
+        "in bf16 near-ties round differently in a block and a one-token forward (docs/evaluation.md); "
+        "in fp32 this is a bug"
+    )
+
+
+def load_models(
+    draft_dir: str | Path,
+    target_dir: str | Path,
+    device: str = "cpu",
+    dtype=torch.float32,
+    decoding_layout: bool = True,
+):
+    """(draft, target, head, tokenizer) in eval mode, their weights laid out for decoding
+    (`dflash2.target_state.use_decoding_layout`) unless `decoding_layout` is False."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
@@ -393,6 +239,8 @@ def load_models(draft_dir: str | Path, target_dir: str | Path, device: str = "cp
             "the draft was built for another target"
         )
     head = TargetHead.from_target(target, dtype=dtype)
+    if decoding_layout:
+        use_decoding_layout(target, draft, head)
     return draft, target, head, tokenizer
 
 
@@ -459,6 +307,8 @@ def evaluate(
         stop_token_ids=stop_token_ids(tokenizer, target),
         seed=seed,
     )
+    if temperature == 0 and summary["outputs_equal_target"] < len(prompts):
+        notes.append(greedy_mismatch_note(len(prompts) - summary["outputs_equal_target"], len(prompts)))
     summary.update(
         draft=str(draft_dir),
         target=str(target_dir),

@@ -25,7 +25,15 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from dflash2.checkpoint import DRAFT_CONFIG, DRAFT_WEIGHTS, holds_draft, read_draft, read_train_state
+from dflash2.checkpoint import (
+    CONTRACT,
+    DRAFT_CONFIG,
+    DRAFT_WEIGHTS,
+    holds_draft,
+    read_contract,
+    read_draft,
+    read_train_state,
+)
 from dflash2.config import require_path, torch_dtype
 from dflash2.errors import add_debug_flag, run_main
 from dflash2.hf_weights import SINGLE_FILE, tensor_files
@@ -168,13 +176,20 @@ def _dtype_problems(meta: dict[str, tuple[tuple[int, ...], str]], cfg: dict) -> 
 def check_export(path: str | Path, *, tokenizer: Any = None, target_config: Any = None) -> list[str]:
     """Every problem of an export directory (ours or a third party's); an empty list means servable."""
     path = Path(path)
+    if holds_draft(path):
+        return [
+            f"{path} is a training checkpoint, not an export: write its export with "
+            f"`python -m dflash2.export {path} <out>`, then check <out>"
+        ]
     if not (path / CONFIG_NAME).is_file():
         return [f"{path}: no {CONFIG_NAME}; an export holds {CONFIG_NAME} and {WEIGHTS_NAME}"]
     try:
         cfg = load_config_dict(path)
     except json.JSONDecodeError as error:
         return [f"{path / CONFIG_NAME}: not valid JSON ({error})"]
-    problems = validate_draft_config(cfg, tokenizer=tokenizer, target_config=target_config)
+    problems = validate_draft_config(
+        cfg, tokenizer=tokenizer, target_config=target_config, source=path / CONFIG_NAME
+    )
     files = _weight_files(path)
     if not files:
         return problems + [f"{path}: no {WEIGHTS_NAME}; write the draft weights there"]
@@ -247,12 +262,14 @@ def export_draft(
     tokenizer: Any = None,
     target_config: Any = None,
     training_run: dict | None = None,
+    source: str | Path | None = None,
 ) -> Path:
     """Write ``config.json`` + ``model.safetensors`` into ``out_dir`` atomically and validate what was written.
 
     model_or_state: a draft module (its ``.config`` a Qwen3Config with ``dflash_config``) or a state dict
     with contract names (an optional ``model.`` prefix is stripped), in which case ``config`` is required.
     training_run: written as ``training_run.json`` (e.g. {"step": 300, "chat_template_kwargs": {}}).
+    source: the file ``config`` was read from, named in a draft/target mismatch.
     Raises ValueError listing every problem; nothing is left at ``out_dir`` when validation fails.
     """
     if dtype not in DTYPE_NAMES:
@@ -264,7 +281,7 @@ def export_draft(
             f"tensors {borrowed} belong to the target (embed_tokens/lm_head); export the draft only"
         )
     cfg = export_config(cfg, dtype)
-    problems = validate_draft_config(cfg, tokenizer=tokenizer, target_config=target_config)
+    problems = validate_draft_config(cfg, tokenizer=tokenizer, target_config=target_config, source=source)
     expected = _expected_or_problem(cfg, problems)
     if expected is not None:
         problems += tensor_problems({name: tuple(t.shape) for name, t in state.items()}, expected)
@@ -293,11 +310,15 @@ def export_draft(
 
 
 def source_training_run(path: str | Path) -> dict | None:
-    """What an export of `path` records of its training run: the step of a training checkpoint (its
-    chat template arguments are not in the checkpoint), or the record of an export; None if neither."""
+    """What an export of `path` records of its training run: the step of a training checkpoint and
+    its run's chat template arguments (contract.json), or the record of an export; None if neither."""
     path = Path(path)
     if holds_draft(path):
-        return {"step": read_train_state(path).step}
+        record = {"step": read_train_state(path).step}
+        contract = read_contract(path) if (path / CONTRACT).is_file() else {}
+        if "chat_template_kwargs" in contract:
+            record["chat_template_kwargs"] = contract["chat_template_kwargs"]
+        return record
     return read_training_run(path) or None
 
 
@@ -355,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
-    target_config = load_config_dict(args.target) if args.target else None
+    target_config = args.target  # a path: a draft/target mismatch names its config.json
     if args.check is not None:
         path = Path(args.check)
     else:
@@ -369,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
                 tokenizer=tokenizer,
                 target_config=target_config,
                 training_run=source_training_run(args.source),
+                source=Path(args.source) / (DRAFT_CONFIG if holds_draft(Path(args.source)) else CONFIG_NAME),
             )
         except ValueError as error:
             print(error, file=sys.stderr)

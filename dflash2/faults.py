@@ -8,6 +8,10 @@ forward a signal that the workers may also get directly (torchrun forwards SIGTE
 within REPEAT_WINDOW_S of the first are the same request. A later signal aborts at once: the process
 dies of it, and the latest complete checkpoint stays as it was.
 
+Stop marker. Having stopped with a checkpoint, the trainers' rank 0 writes <output_dir>/stopped.json
+(`{"step": N, "checkpoint": ..., "signal": ...}`) once the checkpoint is complete: a SLURM batch shell
+decides to requeue from it, not from an exit code that srun may rewrite (launch/slurm/launch.sh).
+
 Launcher death. torchrun starts each worker in a session of its own, so a worker outlives a launcher
 killed with SIGKILL, or with SIGUSR1, which torchrun does not handle. `exit_with_launcher` has Linux
 send a worker SIGTERM when its launcher dies: the workers stop as above, with a checkpoint.
@@ -24,6 +28,7 @@ operation (WorkNCCL(OpType=...)), as long as TORCH_NCCL_ASYNC_ERROR_HANDLING is 
 from __future__ import annotations
 
 import ctypes
+import json
 import os
 import signal
 import sys
@@ -40,6 +45,7 @@ REPEAT_WINDOW_S = 2.0
 TIMEOUT_ENV = "DFLASH2_DIST_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600.0
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+STOP_MARKER = "stopped.json"
 
 
 def _say(message: str) -> None:
@@ -92,6 +98,28 @@ class StopRequest:
 
 
 stop_request = StopRequest()
+
+
+def stop_marker(output_dir: str | Path) -> Path:
+    """Where a run that stopped with a checkpoint says so: <output_dir>/stopped.json."""
+    return Path(output_dir) / STOP_MARKER
+
+
+def write_stop_marker(output_dir: str | Path, step: int, checkpoint: Path | None) -> Path:
+    """Record that the run stopped on a signal with `checkpoint` at `step` (atomically: a reader sees
+    the whole file or none). Call it once the checkpoint is complete, on one rank."""
+    path = stop_marker(output_dir)
+    record = {
+        "step": step,
+        "checkpoint": str(checkpoint) if checkpoint else None,
+        "signal": stop_request.describe(),
+    }
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(record) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
 _launcher_pid: int | None = None  # the parent whose death exit_with_launcher watches
 
 

@@ -35,6 +35,17 @@ class ObjectiveConfig(ObjectiveSection):
     softcap: float | None
     top_k: int  # candidates per slot: the selector's top-k (DFlash 2), else coverage_top_k
 
+    @property
+    def loss_terms(self) -> LossTerms:
+        return LossTerms(
+            self.ce_weight,
+            self.kl_weight,
+            self.tv_weight,
+            self.distill_temperature,
+            self.output_multiplier,
+            self.softcap,
+        )
+
     @classmethod
     def for_draft(cls, draft: nn.Module, **settings: Any) -> ObjectiveConfig:
         """Read block size, mask id, logit transforms and top-k off an (unwrapped) draft model once.
@@ -98,6 +109,18 @@ def sample_anchors(
     return positions.gather(1, order), valid.gather(1, order)
 
 
+def slot_weights(cfg: ObjectiveSection, block_size: int) -> torch.Tensor:
+    """[B-1] weight of slots k = 1..B-1 under `cfg.position_weighting` (docs/training.md):
+    gamma: exp(-(k - 1) / loss_gamma), or 1 when loss_gamma is unset; exponential:
+    position_decay ** (k - 1); uniform: 1."""
+    k = torch.arange(1, block_size, dtype=torch.float32)
+    if cfg.position_weighting == "gamma" and cfg.loss_gamma is not None:
+        return torch.exp(-(k - 1) / cfg.loss_gamma)
+    if cfg.position_weighting == "exponential":
+        return torch.tensor(cfg.position_decay, dtype=torch.float64).pow(k.double() - 1).float()
+    return torch.ones_like(k)
+
+
 def block_targets(
     input_ids: torch.Tensor,
     loss_mask: torch.Tensor,
@@ -105,11 +128,13 @@ def block_targets(
     valid: torch.Tensor,
     block_size: int,
     gamma: float | None,
+    decay: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Labels, predecessors and weights of slots 1..B-1 of every block.
 
     Slot k of the block at anchor a predicts input_ids[a + k] with weight
-    valid * in_bounds * loss_mask[a + k] * exp(-(k - 1) / gamma); its teacher-forced predecessor is
+    valid * in_bounds * loss_mask[a + k] * decay[k - 1], where `decay` ([B-1], from slot_weights)
+    defaults to exp(-(k - 1) / gamma) (1 when gamma is None); its teacher-forced predecessor is
     input_ids[a + k - 1] (the anchor for slot 1). Returns three [b, N, B-1] tensors.
     """
     seq_len = input_ids.shape[1]
@@ -120,7 +145,9 @@ def block_targets(
     flat = lambda t, p: t.gather(1, p.flatten(1)).view_as(p)  # noqa: E731
     labels = flat(input_ids, pos_c)
     predecessors = flat(input_ids, (pos - 1).clamp(max=seq_len - 1))
-    decay = torch.ones_like(k, dtype=torch.float32) if gamma is None else torch.exp(-(k - 1) / gamma)
+    if decay is None:
+        decay = torch.ones_like(k, dtype=torch.float32) if gamma is None else torch.exp(-(k - 1) / gamma)
+    decay = decay.to(anchors.device)
     weights = valid[..., None] * in_bounds * flat(loss_mask, pos_c).float() * decay
     return labels, predecessors, weights
 
@@ -175,21 +202,8 @@ def _chunk_ce(hidden, weight, bias, labels, row_weights, multiplier, cap, top_k,
     exp(u - max), then the gradient occupy in turn: no other [rows, V] buffer is allocated, and every
     pass over it other than the two head matmuls is a single elementwise or reduction pass. Writes
     d loss / d hidden into `grad_out` when given.
-    The transform is models.draft.transform_logits (multiply, then softcap), done in place here.
     """
-    # z = h W^T + b in the head's dtype, then fp32: logsumexp over V and the softmax below need it
-    with region("head_matmul"):  # the objective's floor: timed when the loop breaks a step down
-        u = F.linear(hidden, weight, bias)
-    u = u.float()
-    if multiplier != 1.0:
-        u.mul_(multiplier)
-    du_dz = None
-    if cap is not None:
-        u.div_(cap).tanh_()  # t = tanh(m z / cap)
-        if grad_out is not None:
-            # d u / d z for u = cap * tanh(m z / cap): read from t now, before u is scaled back to logits
-            du_dz = (u * u).neg_().add_(1).mul_(multiplier)  # m (1 - t^2)
-        u.mul_(cap)
+    u, du_dz = _transformed_logits(hidden, weight, bias, multiplier, cap, grad_out is not None)
     # The gold logit and the top-k read the logits, so they come before the in-place ops below turn
     # the buffer into exp(u - max) and then the gradient.
     gold = u.gather(1, labels[:, None])[:, 0]
@@ -204,18 +218,42 @@ def _chunk_ce(hidden, weight, bias, labels, row_weights, multiplier, cap, top_k,
         # weight: w exp(u - max) / total, then w subtracted at the gold column.
         d = exp_u.mul_((row_weights / total)[:, None])
         d.scatter_add_(1, labels[:, None], -row_weights[:, None])
-        # Chain rule to z. With a cap, du_dz = m (1 - t^2) already holds the multiplier; without one,
-        # u = m z and d u / d z is the multiplier alone (1: nothing to do).
-        if du_dz is not None:
-            d.mul_(du_dz)
-        elif multiplier != 1.0:
-            d.mul_(multiplier)
-        # d loss / d h = (d loss / d z) @ W. d is cast to the head's dtype so that the matmul runs in it
-        # (as the forward did) instead of promoting the whole [V, H] head to an fp32 copy.
-        d = d.to(weight.dtype)
-        with region("head_matmul"):
-            grad_out.copy_(d @ weight)
+        _grad_to_hidden(d, du_dz, multiplier, weight, grad_out)
     return loss, ids
+
+
+def _transformed_logits(hidden, weight, bias, multiplier, cap, need_grad):
+    """u = transform(h W^T + b) in one fp32 [rows, V] buffer, and d u / d z when a softcap needs it
+    (else None). The transform is models.draft.transform_logits (multiply, then softcap), in place."""
+    # z = h W^T + b in the head's dtype, then fp32: logsumexp over V and the softmax below need it
+    with region("head_matmul"):  # the objective's floor: timed when the loop breaks a step down
+        u = F.linear(hidden, weight, bias)
+    u = u.float()
+    if multiplier != 1.0:
+        u.mul_(multiplier)
+    du_dz = None
+    if cap is not None:
+        u.div_(cap).tanh_()  # t = tanh(m z / cap)
+        if need_grad:
+            # d u / d z for u = cap * tanh(m z / cap): read from t now, before u is scaled back to logits
+            du_dz = (u * u).neg_().add_(1).mul_(multiplier)  # m (1 - t^2)
+        u.mul_(cap)
+    return u, du_dz
+
+
+def _grad_to_hidden(d, du_dz, multiplier, weight, grad_out) -> None:
+    """grad_out = (d loss / d u, `d` [rows, V], overwritten) chained to z, then @ W: d loss / d h."""
+    # Chain rule to z. With a cap, du_dz = m (1 - t^2) already holds the multiplier; without one,
+    # u = m z and d u / d z is the multiplier alone (1: nothing to do).
+    if du_dz is not None:
+        d.mul_(du_dz)
+    elif multiplier != 1.0:
+        d.mul_(multiplier)
+    # d loss / d h = (d loss / d z) @ W. d is cast to the head's dtype so that the matmul runs in it
+    # (as the forward did) instead of promoting the whole [V, H] head to an fp32 copy.
+    d = d.to(weight.dtype)
+    with region("head_matmul"):
+        grad_out.copy_(d @ weight)
 
 
 def unary_ce(hidden, head: TargetHead, labels, row_weights, multiplier, cap, chunk_rows, top_k):
@@ -238,6 +276,169 @@ def unary_ce_naive(hidden, head: TargetHead, labels, row_weights, multiplier, ca
     u = transform_logits(head.logits(hidden).float(), multiplier, cap)
     loss = (row_weights * F.cross_entropy(u, labels, reduction="none")).sum()
     return loss, torch.topk(u.detach(), top_k, dim=-1).indices
+
+
+# ------------------------------------------------------------------ chunked distillation terms
+
+
+@dataclass(frozen=True)
+class LossTerms:
+    """Weights of the block loss's terms, the teacher's temperature and the draft's logit transforms."""
+
+    ce_weight: float
+    kl_weight: float
+    tv_weight: float
+    temperature: float
+    multiplier: float
+    cap: float | None
+
+
+@dataclass
+class DistillSums:
+    """What distill_loss returns: the differentiable weighted loss sum and detached pieces."""
+
+    loss: torch.Tensor  # sum_r w_r (ce_weight CE_r + kl_weight KL_r + tv_weight TV_r)
+    ce: torch.Tensor  # sum_r w_r CE_r
+    kl: torch.Tensor  # sum_r w_r KL(p_r || q_r)
+    tv: torch.Tensor  # sum_r w_r TV(p_r, q_r)
+    topk_ids: torch.Tensor  # [R, k] the draft's top-k (of its transformed logits)
+    tv_rows: torch.Tensor  # [R] TV(p_r, q_r): 1 - the chance that lossless sampling accepts slot r
+
+
+class _ChunkedDistill(torch.autograd.Function):
+    """The block loss with KL / TV terms against the target's distribution, chunked like _ChunkedUnaryCE.
+
+    Row r's teacher is p_r = softmax(head(s_i) / T) for the target's final-normed last hidden state
+    s_i = teacher_states[teacher_index[r]]; its draft distribution is q_r = softmax(u_r), u_r the
+    transformed logits of hidden[r]. A chunk holds rows_per_chunk rows of u, of p (computed once per
+    distinct teacher position of the chunk) and one work buffer: the same number of [*, V] fp32 rows as
+    a CE chunk of `chunk_rows`. The gradient w.r.t. hidden is computed in the forward; the teacher
+    side is frozen.
+    """
+
+    @staticmethod
+    def forward(
+        ctx, hidden, weight, bias, labels, row_weights, teacher_states, teacher_index, terms, rows, top_k
+    ):
+        need_grad = hidden.requires_grad
+        grad = torch.zeros_like(hidden) if need_grad else None
+        sums = hidden.new_zeros(4, dtype=torch.float32)  # loss, ce, kl, tv
+        topk_ids, tv_rows = [], []
+        for start in range(0, hidden.shape[0], rows):
+            sl = slice(start, start + rows)
+            positions, inverse = torch.unique(teacher_index[sl], return_inverse=True)
+            chunk_sums, ids, tv = _chunk_distill(
+                hidden[sl],
+                weight,
+                bias,
+                labels[sl],
+                row_weights[sl],
+                teacher_states[positions],
+                inverse,
+                terms,
+                top_k,
+                grad[sl] if need_grad else None,
+            )
+            sums += chunk_sums
+            topk_ids.append(ids)
+            tv_rows.append(tv)
+        ids = torch.cat(topk_ids) if topk_ids else labels.new_zeros((0, top_k))
+        tv = torch.cat(tv_rows) if tv_rows else row_weights.new_zeros(0)
+        loss, parts = sums[0].clone(), sums[1:].clone()
+        ctx.mark_non_differentiable(parts, ids, tv)
+        ctx.save_for_backward(grad)
+        return loss, parts, ids, tv
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_parts, _grad_ids, _grad_tv):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_loss, *([None] * 9)
+
+
+def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """[r, V] . [r, V] -> [r]: sum_j a_ij b_ij as a batched matrix-vector product (no [r, V] product)."""
+    return torch.bmm(a[:, None, :], b[:, :, None])[:, 0, 0]
+
+
+def _teacher_probs(states, weight, bias, temperature, inverse):
+    """p = softmax((s W^T + b) / T) of the distinct teacher states [u, H], then gathered to the chunk's
+    rows ([r, V]), and sum_j p_j log p_j per row ([r])."""
+    with region("head_matmul"):
+        t = F.linear(states, weight, bias)
+    t = t.float()
+    if temperature != 1.0:
+        t.div_(temperature)
+    t.sub_(t.amax(dim=-1, keepdim=True))  # log p + log total
+    e = t.exp()
+    total = e.sum(dim=-1)
+    neg_entropy = _rowdot(e, t) / total - total.log()  # sum p log p = sum p (t - max) - log total
+    del t
+    p = e.div_(total[:, None])
+    return p.index_select(0, inverse), neg_entropy[inverse]
+
+
+def _chunk_distill(
+    hidden, weight, bias, labels, row_weights, states, inverse, terms: LossTerms, top_k, grad_out
+):
+    """One chunk of _ChunkedDistill: (sums [4] = loss, ce, kl, tv; top-k ids; TV per row).
+
+    KL(p || q) = sum p log p - sum p u + logsumexp(u); d/du: q - p. TV = 0.5 sum |p - q|;
+    d/du_i = q_i (s_i - sum_j q_j s_j) with s = 0.5 sign(q - p). CE: d/du = q - one_hot(y).
+    """
+    ce_w, kl_w, tv_w = terms.ce_weight, terms.kl_weight, terms.tv_weight
+    u, du_dz = _transformed_logits(hidden, weight, bias, terms.multiplier, terms.cap, grad_out is not None)
+    gold = u.gather(1, labels[:, None])[:, 0]
+    top = torch.topk(u, top_k, dim=-1)
+    ids, row_max = top.indices, top.values[:, 0]
+    p, neg_entropy = _teacher_probs(states, weight, bias, terms.temperature, inverse)
+    p_dot_u = _rowdot(p, u)  # before u turns into q
+    q = u.sub_(row_max[:, None]).exp_()
+    total = q.sum(dim=-1)
+    lse = row_max + total.log()
+    q.div_(total[:, None])
+    diff = torch.sub(q, p, out=p)  # q - p, in p's buffer
+    ce, kl = lse - gold, neg_entropy - p_dot_u + lse
+    tv = (0.5 * torch.linalg.vector_norm(diff, ord=1, dim=-1)).clamp_(max=1.0)  # rounding can pass 1
+    w = row_weights
+    parts = torch.stack([(w * ce).sum(), (w * kl).sum(), (w * tv).sum()])
+    loss = ce_w * parts[0] + kl_w * parts[1] + tv_w * parts[2]
+    if grad_out is not None:
+        d = q  # the gradient d loss / d u takes q's buffer
+        if tv_w:
+            sign = diff.sign() if kl_w else diff.sign_()
+            c = _rowdot(q, sign)  # 2 sum_j q_j s_j
+            # w (ce_w + tv_w (0.5 sign - 0.5 c)): the factor of q in every term but KL's
+            d.mul_(sign.mul_((0.5 * tv_w * w)[:, None]).add_((w * (ce_w - 0.5 * tv_w * c))[:, None]))
+            del sign
+        else:
+            d.mul_((w * ce_w)[:, None])
+        if kl_w:
+            d.addcmul_(diff, (w * kl_w)[:, None])
+        if ce_w:
+            d.scatter_add_(1, labels[:, None], -(w * ce_w)[:, None])
+        _grad_to_hidden(d, du_dz, terms.multiplier, weight, grad_out)
+    return torch.cat([loss[None], parts]), ids, tv
+
+
+def distill_loss(
+    hidden, head: TargetHead, labels, row_weights, teacher_states, teacher_index, terms, chunk_rows, top_k
+):
+    """hidden [R, H] draft rows, teacher_states [P, H] the target's final-normed last hidden states,
+    teacher_index [R] each row's teacher position in them -> DistillSums. A chunk holds a third of
+    `chunk_rows` rows: its draft logits, the teacher's probabilities and one work buffer."""
+    loss, parts, ids, tv = _ChunkedDistill.apply(
+        hidden,
+        head.lm_head_weight,
+        head.lm_head_bias,
+        labels,
+        row_weights,
+        teacher_states.to(head.lm_head_weight.dtype),
+        teacher_index,
+        terms,
+        max(1, chunk_rows // 3),
+        top_k,
+    )
+    return DistillSums(loss, parts[0], parts[1], parts[2], ids, tv)
 
 
 # ------------------------------------------------------------------ selector loss
@@ -303,8 +504,9 @@ def plan_blocks(
             "batch has no valid anchor (no two consecutive supervised tokens in any sample); "
             "prepare the data with data_prep/prepare.py, which drops such samples"
         )
+    decay = slot_weights(cfg, cfg.block_size)
     labels, predecessors, weights = block_targets(
-        input_ids, loss_mask, anchors, valid, cfg.block_size, cfg.loss_gamma
+        input_ids, loss_mask, anchors, valid, cfg.block_size, cfg.loss_gamma, decay
     )
     return Blocks(anchors, valid, labels, predecessors, weights)
 
@@ -347,16 +549,12 @@ def compute_objective(
     rows = weights > 0
     slot = torch.arange(1, block_size, device=rows.device).expand_as(rows)[rows] - 1  # [R], 0-based k-1
     h, y, w, pred = hidden[rows], labels[rows], weights[rows], predecessors[rows]
-    multiplier, cap, top_k = cfg.output_multiplier, cfg.softcap, cfg.top_k
+    multiplier, cap = cfg.output_multiplier, cfg.softcap
     selector = getattr(model, "candidate_selector", None)
 
-    if naive:
-        base_sum, topk_ids = unary_ce_naive(h, head, y, w, multiplier, cap, top_k)
-    else:
-        base_sum, topk_ids = unary_ce(h, head, y, w, multiplier, cap, cfg.logits_chunk_rows, top_k)
-
+    base_sum, topk_ids, metrics = _block_loss(h, y, w, rows, blocks, batch, head, cfg, naive)
     unary_correct = topk_ids[:, 0] == y
-    metrics = _slot_metrics(slot, block_size, topk_ids, y, w)
+    metrics.update(_slot_metrics(slot, block_size, topk_ids, y, w))
     metrics["base_loss_sum"] = base_sum.detach()
     metrics["num_anchors"] = valid.sum().float()
     metrics["accept_len_sum"] = acceptance_length_sum(rows, unary_correct, valid)
@@ -378,6 +576,41 @@ def compute_objective(
     return ObjectiveOutput(loss_sum=loss_sum, weight_sum=weights.sum(), metrics=metrics)
 
 
+def _block_loss(h, y, w, rows, blocks: Blocks, batch, head: TargetHead, cfg: ObjectiveConfig, naive: bool):
+    """The weighted loss sum before the selector term over the supervised rows (h [R, H], labels y,
+    weights w), the draft's top-k ids [R, k] and the metric sums of its terms. Without KL or TV
+    weight it is the chunked CE alone (the teacher is neither needed nor read)."""
+    anchors, valid, block_size = blocks.anchors, blocks.valid, cfg.block_size
+    multiplier, cap, top_k = cfg.output_multiplier, cfg.softcap, cfg.top_k
+    metrics: dict[str, torch.Tensor] = {}
+    if cfg.needs_teacher:
+        assert not naive, "the naive reference path has the cross-entropy only"
+        teacher = distill_loss(
+            h,
+            head,
+            y,
+            w,
+            batch["target_last_hidden"].flatten(0, 1),
+            teacher_positions(anchors, block_size, batch["input_ids"].shape[1])[rows],
+            cfg.loss_terms,
+            cfg.logits_chunk_rows,
+            top_k,
+        )
+        base_sum, topk_ids = teacher.loss, teacher.topk_ids
+        metrics.update(ce_loss_sum=teacher.ce, kl_loss_sum=teacher.kl, tv_loss_sum=teacher.tv)
+        if cfg.distill_temperature == 1.0:  # the sampling acceptance is at temperature 1
+            metrics["accept_len_sampled_sum"] = acceptance_length_sum(rows, 1 - teacher.tv_rows, valid)
+    else:
+        if naive:
+            ce_sum, topk_ids = unary_ce_naive(h, head, y, w, multiplier, cap, top_k)
+        else:
+            ce_sum, topk_ids = unary_ce(h, head, y, w, multiplier, cap, cfg.logits_chunk_rows, top_k)
+        base_sum = ce_sum if cfg.ce_weight == 1.0 else cfg.ce_weight * ce_sum
+        metrics["ce_loss_sum"] = ce_sum.detach()
+
+    return base_sum, topk_ids, metrics
+
+
 def acceptance_length_sum(rows: torch.Tensor, correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Sum over valid blocks of 1 + the leading run of correct slots (exact in-sample acceptance).
 
@@ -386,11 +619,26 @@ def acceptance_length_sum(rows: torch.Tensor, correct: torch.Tensor, valid: torc
     sequence end or outside the reply): serving cannot commit tokens past the end of the reply either.
     Under teacher forcing a slot's predecessor is the data token; along a leading run of correct slots
     that is also what the serving walk chose, so for the selector this run is the walk's own.
+    `correct` may also be a float chance of acceptance per slot (1 - TV under lossless sampling): the
+    sum is then 1 + sum_k prod_{j<=k} chance_j per block, the expected committed tokens.
     """
-    per_slot = torch.zeros_like(rows)
-    per_slot[rows] = correct
-    run = per_slot.long().cumprod(dim=-1).sum(dim=-1)  # [b, N]
-    return (run + 1)[valid].sum().float()
+    if correct.dtype == torch.bool:
+        per_slot = torch.zeros_like(rows)
+        per_slot[rows] = correct
+        run = per_slot.long().cumprod(dim=-1).sum(dim=-1)  # [b, N]
+        return (run + 1)[valid].sum().float()
+    per_slot = torch.zeros(rows.shape, dtype=correct.dtype, device=correct.device)
+    per_slot[rows] = correct.clamp(0.0, 1.0)
+    return (per_slot.cumprod(dim=-1).sum(dim=-1) + 1)[valid].sum().float()
+
+
+def teacher_positions(anchors: torch.Tensor, block_size: int, seq_len: int) -> torch.Tensor:
+    """[b, N, B-1]: row of the teacher of each slot in the flattened [b * S] positions. Slot k of the
+    block at anchor a predicts the token at a + k, so its teacher is the target's next-token
+    distribution at a + k - 1 (clamped for the unsupervised slots past the end)."""
+    k = torch.arange(1, block_size, device=anchors.device)
+    pos = (anchors[..., None] + k - 1).clamp(max=seq_len - 1)
+    return pos + seq_len * torch.arange(anchors.shape[0], device=anchors.device)[:, None, None]
 
 
 def _per_slot(slot: torch.Tensor, values: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -419,7 +667,10 @@ def estimated_acceptance_length(per_slot_accuracy: list[float]) -> float:
 def summarize_metrics(sums: dict[str, torch.Tensor], alpha: float) -> dict[str, float]:
     """Turn (globally reduced) sums and counts into the logged scalars.
 
-    `loss` is what is optimised: (base + alpha * selector) / the global weight sum. `selector_loss`
+    `loss` is what is optimised: (base + alpha * selector) / the global weight sum, where base is
+    ce_weight * CE + kl_weight * KL + tv_weight * TV (`ce_loss`, `kl_loss`, `tv_loss`: each term's
+    weighted mean). `insample_accept_len_sampled`: 1 + sum_k prod_{j<=k} (1 - TV_j) per block, the
+    in-sample acceptance of lossless sampling at temperature 1 (needs the teacher). `selector_loss`
     is the mean over the weight of the slots that carry a selector term (all supervised slots in
     insert mode, those whose gold token is in the top-k in strict mode), so that strict and insert
     curves read alike; `selector_weight_fraction` is that weight over the global weight sum, hence
@@ -440,6 +691,12 @@ def summarize_metrics(sums: dict[str, torch.Tensor], alpha: float) -> dict[str, 
         "num_supervised_tokens": float(sums["slot_count"].sum()),
     }
     out.update({f"accuracy_pos_{k + 1}": a for k, a in enumerate(acc)})
+    # each term of the block loss, a mean over the weight (kl and tv only when the teacher is captured)
+    for term in ("ce", "kl", "tv"):
+        if f"{term}_loss_sum" in sums:
+            out[f"{term}_loss"] = float(sums[f"{term}_loss_sum"]) / w
+    if "accept_len_sampled_sum" in sums:
+        out["insample_accept_len_sampled"] = float(sums["accept_len_sampled_sum"]) / blocks
     loss = out["base_loss"]
     if "selector_loss_sum" in sums:
         sel_acc = (sums["slot_selector_correct"].double() / count).tolist()

@@ -3,6 +3,12 @@
     python -m dflash2.plan configs/recipes/qwen3.6-27b-dflash2-8gpu-zero3.yaml --world-size 8 \\
         --target-config configs/target/qwen3.6-27b.json [--device-gb 80] [key=value ...]
 
+Exit codes: 0 the run fits on every rank; 2 a user error, among them a train.global_batch_size that
+the data-parallel ranks cannot split; 3 (EXIT_DOES_NOT_FIT) a role needs more than --device-gb, so
+a script can gate a launch on it. The plan ends with the size of one checkpoint and its write time
+at --write-gb-per-s (the file system's write bandwidth, default 1 GB/s): the SLURM signal lead time
+must cover one step plus that write (launch/slurm/README.md).
+
 The draft is built with `build_draft` and the target with `AutoModelForCausalLM.from_config`, both on
 `torch.device("meta")`, so parameter counts and sharding units are exact while nothing is allocated.
 Activations are estimates from the shapes of one micro-batch (see `draft_activation_bytes`). The plan
@@ -25,13 +31,18 @@ from torch import nn
 
 from dflash2.capture.transfer import PREFETCH_DEPTH
 from dflash2.config import RunConfig, load_run_config
-from dflash2.errors import add_debug_flag, run_main
+from dflash2.errors import EXIT_DOES_NOT_FIT, add_debug_flag, run_main
 from dflash2.models import build_draft
 from dflash2.models.attention import context_key_span
 
 GIB = 2**30
+GB = 1e9
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 FP32 = 4
+# A checkpoint's bytes per draft parameter, summed over ranks: draft.safetensors (fp32 weights, rank 0)
+# and backend/ (every rank's shard of the fp32 weights or master weights and AdamW's two moments).
+CHECKPOINT_WEIGHT_BYTES, CHECKPOINT_STATE_BYTES = FP32, 3 * FP32
+DEFAULT_WRITE_GB_PER_S = 1.0
 # CUDA context, NCCL buffers and allocator fragmentation: a typical allowance, not a measurement.
 RUNTIME_ALLOWANCE_BYTES = 2 * GIB
 
@@ -81,6 +92,7 @@ class Plan:
     roles: list[RolePlan]
     device_bytes: float
     warnings: list[str] = field(default_factory=list)
+    checkpoint_bytes: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -342,6 +354,10 @@ def plan_run(cfg: RunConfig, *, world_size: int, target_config, device_gb: float
         raise ValueError(
             f"capture_ranks={num_capture} leaves no trainer rank on {world_size} ranks; raise --world-size"
         )
+    try:
+        cfg = cfg.with_batch_layout(cfg.data_parallel_size(world_size))
+    except ValueError as error:
+        raise ValueError(f"{error} (--world-size {world_size})") from None
     draft, target = meta_models(cfg, target_config)
     shapes = step_shapes(cfg, draft)
     offload = ds_offload(cfg)
@@ -349,7 +365,8 @@ def plan_run(cfg: RunConfig, *, world_size: int, target_config, device_gb: float
     draft_part = draft_items(cfg, draft, target, shapes, world_size - num_capture, offload)
     roles = role_plans(target_part, draft_part, world_size, num_capture)
     header = plan_header(cfg, draft, target, shapes, world_size, num_capture, offload)
-    plan = Plan(header=header, roles=roles, device_bytes=device_gb * GIB)
+    checkpoint = count_params(draft).total * (CHECKPOINT_WEIGHT_BYTES + CHECKPOINT_STATE_BYTES)
+    plan = Plan(header=header, roles=roles, device_bytes=device_gb * GIB, checkpoint_bytes=checkpoint)
     plan.warnings = [
         f"{role.role} ranks need {role.total() / GIB:.1f} GiB > {device_gb:g} GiB per device: "
         "lower train.micro_batch_size, data.max_length or objective.num_anchors, add ranks, "
@@ -440,10 +457,21 @@ def plan_header(
         f"draft {type(draft).__name__}: {draft_total / 1e9:.3f} B parameters, sharded over {world_size - num_capture}",
         f"micro-batch {shapes.batch} x {shapes.seq_len} tokens, {shapes.num_anchors} anchors x block "
         f"{shapes.block_size}, logits chunk {cfg.objective.logits_chunk_rows} rows",
+        f"global batch {shapes.batch * cfg.train.grad_accum_steps * (world_size - num_capture)}: micro-batch "
+        f"{shapes.batch} x {cfg.train.grad_accum_steps} accumulation steps x {world_size - num_capture} ranks",
     ]
 
 
-def format_plan(plan: Plan) -> str:
+def checkpoint_line(plan: Plan, write_gb_per_s: float) -> str:
+    """The size of one checkpoint and how long writing it takes at `write_gb_per_s`."""
+    seconds = plan.checkpoint_bytes / (write_gb_per_s * GB)
+    return (
+        f"checkpoint: {plan.checkpoint_bytes / GB:.3g} GB (fp32 draft weights + every rank's shard of "
+        f"weights and AdamW moments); about {math.ceil(seconds)} s to write at {write_gb_per_s:g} GB/s"
+    )
+
+
+def format_plan(plan: Plan, write_gb_per_s: float = DEFAULT_WRITE_GB_PER_S) -> str:
     lines = [*plan.header, ""]
     for role in plan.roles:
         title = f"per {role.role} rank ({role.num_ranks} rank{'s' if role.num_ranks > 1 else ''})"
@@ -458,6 +486,7 @@ def format_plan(plan: Plan) -> str:
         if role.total("cpu"):
             lines.append(f"  {'total offloaded to CPU':<40} {role.total('cpu') / GIB:8.2f}")
         lines.append("")
+    lines += [checkpoint_line(plan, write_gb_per_s), ""]
     lines += [f"WARNING: {w}" for w in plan.warnings]
     return "\n".join(lines).rstrip() + "\n"
 
@@ -475,13 +504,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--target-config", default=None, help="target config.json or directory (default: model.target)"
     )
+    parser.add_argument(
+        "--write-gb-per-s",
+        type=float,
+        default=DEFAULT_WRITE_GB_PER_S,
+        help=f"checkpoint write bandwidth in GB/s, for the write time (default {DEFAULT_WRITE_GB_PER_S:g})",
+    )
     add_debug_flag(parser)
     args = parser.parse_intermixed_args(argv)  # overrides may follow the options
+    if args.write_gb_per_s <= 0:
+        raise ValueError(f"--write-gb-per-s must be > 0, got {args.write_gb_per_s}")
     cfg = load_run_config(args.config, args.overrides)
     target_config = load_target_config(args.target_config or cfg.model.target)
     plan = plan_run(cfg, world_size=args.world_size, target_config=target_config, device_gb=args.device_gb)
-    print(format_plan(plan), end="")
-    return 0
+    print(format_plan(plan, args.write_gb_per_s), end="")
+    return EXIT_DOES_NOT_FIT if plan.warnings else 0
 
 
 if __name__ == "__main__":

@@ -79,7 +79,8 @@ def offline_features(cfg: RunConfig) -> OfflineFeatures | None:
     if not cfg.data.features_dir:
         return None
     layer_ids = draft_layer_ids(cfg, AutoConfig.from_pretrained(cfg.model.target))
-    return OfflineFeatures(cfg.data.features_dir, feature_identity(cfg, layer_ids))
+    identity = feature_identity(cfg, layer_ids)
+    return OfflineFeatures(cfg.data.features_dir, identity, last_hidden=cfg.objective.needs_teacher)
 
 
 def run_colocated(cfg: RunConfig) -> dict[str, float]:
@@ -199,7 +200,9 @@ def run_capture_rank(
             for row in rounds:
                 trainer = row[backend.rank]
                 indices = next(streams[trainer])[2] if trainer is not None else []
-                features = capture_samples(backend, target, dataset, indices, layer_ids, pad_id)
+                features = capture_samples(
+                    backend, target, dataset, indices, layer_ids, pad_id, cfg.objective.needs_teacher
+                )
                 if trainer is not None:
                     sender.send(num_capture + trainer, indices, features)
     with collective_section("delivering the last features"):

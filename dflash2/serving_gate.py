@@ -5,7 +5,9 @@ test of the whole pipeline (data -> features -> objective -> training -> export 
         [--num-samples N] [--steps N] [--out result.json] [key=value ...]
 
 1. take the first N (1..10) conversations of the data and regenerate their assistant replies with
-   the target's own greedy decoding, so that the labels are exactly what the target generates;
+   the target's own greedy decoding, keeping the ids it generated: training uses those ids, so the
+   labels are exactly what the target generates even where the reply's text would re-tokenise
+   differently (a random-initialised target);
 2. train on them with the real training code (`dflash2.run.run`) until they are memorised;
 3. load the draft back from `<gate dir>/export` (what a server would load) and decode the first
    sample's prompt with speculative decoding (greedy).
@@ -32,9 +34,9 @@ import torch
 from dflash2.config import RunConfig, check_model_paths, load_run_config, require_path
 from dflash2.data.jsonl import SampleError, iter_lines, parse_sample, prompt_turns
 from dflash2.data.regenerate import LocalTargetGenerator, regenerate_conversations
-from dflash2.data.render import encode_prompt, render_with_loss_mask, stop_token_ids
+from dflash2.data.render import encode_prompt, render_with_token_ids, stop_token_ids
+from dflash2.decode import speculative_generate, target_generate
 from dflash2.errors import add_debug_flag, run_main
-from dflash2.evaluate import speculative_generate, target_generate
 from dflash2.export import read_training_run
 from dflash2.models import TargetHead, load_draft
 from dflash2.run import run
@@ -113,6 +115,7 @@ def train_overrides(
         f"data.train={data_path}",
         f"train.max_steps={steps}",
         f"train.micro_batch_size={num_samples}",
+        "train.global_batch_size=null",  # one micro-batch of every sample per step (train.grad_accum_steps=1)
         "train.save_every=0",
         "train.resume=none",
         "train.export=true",
@@ -166,9 +169,10 @@ def decode_check(
 def label_check(
     sample: dict, prompt_ids: list[int], reference: list[int], tokenizer, template_kwargs
 ) -> list[str]:
-    """Warn when the training labels of the first reply are not the target's own tokens (a reply text
-    that re-tokenizes differently); the gate can still pass, but such data trains the wrong thing."""
-    ids, _ = render_with_loss_mask(sample["conversations"], tokenizer, template_kwargs)
+    """Warn when the training labels of the first reply are not the target's own tokens (data without
+    the target's ids whose text re-tokenizes differently); the gate can still pass, but such data
+    trains the wrong thing."""
+    ids, _, _ = render_with_token_ids(sample["conversations"], tokenizer, template_kwargs)
     labels = ids[len(prompt_ids) : len(prompt_ids) + len(reference)]
     if ids[: len(prompt_ids)] != prompt_ids or labels != reference:
         return ["the rendered training sample does not contain the target's greedy tokens after the prompt"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash2.capture.features import FeatureSource, target_features
+from dflash2.capture.features import FeatureSource, split_last_hidden, target_features
 from dflash2.capture.head import load_target_head, target_num_parameters
 from dflash2.checkpoint import TrainState, check_resume, load_checkpoint, resume_point, save_checkpoint
 from dflash2.config import RunConfig, torch_dtype
@@ -23,7 +23,7 @@ from dflash2.data.prepare import build_dataset
 from dflash2.distributed import Backend
 from dflash2.distributed.base import local_parameter_numel
 from dflash2.export import export_draft
-from dflash2.faults import collective_section, stop_request
+from dflash2.faults import collective_section, stop_request, write_stop_marker
 from dflash2.identity import data_identity, target_identity, tokenizer_identity
 from dflash2.models import TargetHead, build_draft
 from dflash2.models.config import draft_value, load_config_dict
@@ -79,6 +79,12 @@ def build_contract(cfg: RunConfig, draft_config: dict, data_parallel_size: int) 
         "selector_loss_alpha": cfg.objective.selector_loss_alpha,
         "selector_mode": cfg.objective.selector_mode,
         "loss_gamma": cfg.objective.loss_gamma,
+        "position_weighting": cfg.objective.position_weighting,
+        "position_decay": cfg.objective.position_decay,
+        "ce_weight": cfg.objective.ce_weight,
+        "kl_weight": cfg.objective.kl_weight,
+        "tv_weight": cfg.objective.tv_weight,
+        "distill_temperature": cfg.objective.distill_temperature,
         "num_anchors": cfg.objective.num_anchors,
         "target": target_identity(cfg.model.target),
         "tokenizer": tokenizer_identity(cfg.model.target),
@@ -116,7 +122,9 @@ def build_setup(cfg: RunConfig, backend: Backend, features: FeatureSource | None
     # Validate the draft against the target (hidden/vocab sizes, layer ids, mask token) before
     # loading anything big.
     torch.manual_seed(cfg.seed)
-    draft = build_draft(draft_config, target_config=target_config, tokenizer=tokenizer)
+    draft = build_draft(
+        draft_config, target_config=target_config, tokenizer=tokenizer, source=cfg.model.draft_config
+    )
     layer_ids = list(draft.target_layer_ids)
     normalized = draft.config.to_dict()
     contract = build_contract(cfg, normalized, backend.draft_world_size)
@@ -154,9 +162,21 @@ def load_batch(setup: Setup, indices: list[int]) -> dict[str, torch.Tensor]:
 
 
 def capture_features(setup: Setup, batch: dict, indices: list[int]) -> torch.Tensor:
+    """[b, S, K*H] features of the micro-batch, followed by the target's last hidden state [b, S, H]
+    when the objective needs the teacher (dflash2.capture.features)."""
     if setup.features is not None:
         return setup.features.batch(indices, batch["input_ids"].shape[1])
-    return target_features(setup.backend, setup.target, batch, setup.layer_ids)
+    last_hidden = setup.objective.needs_teacher
+    return target_features(setup.backend, setup.target, batch, setup.layer_ids, last_hidden)
+
+
+def add_features(setup: Setup, batch: dict, captured: torch.Tensor) -> None:
+    """Put the captured tensor into the batch: `features`, and `target_last_hidden` when needed."""
+    captured = captured.to(setup.backend.compute_dtype)
+    features, last_hidden = split_last_hidden(captured, setup.head.hidden_size, setup.objective.needs_teacher)
+    batch["features"] = features
+    if last_hidden is not None:
+        batch["target_last_hidden"] = last_hidden
 
 
 def train_step(
@@ -175,7 +195,7 @@ def train_step(
     sums: dict[str, torch.Tensor] = {}
     for batch, indices, plan in zip(batches, micro, plans):
         with torch.no_grad(), timer.region("capture"):
-            batch["features"] = capture_features(setup, batch, indices).to(backend.compute_dtype)
+            add_features(setup, batch, capture_features(setup, batch, indices))
         with timer.region("objective"):
             out = compute_objective(setup.draft, setup.head, batch, setup.objective, blocks=plan)
         with timer.region("backward"):
@@ -282,6 +302,10 @@ def fit(
         training_run = {"step": state.step, "chat_template_kwargs": dict(cfg.data.chat_template_kwargs)}
         export_final(setup, run_dir / "export", training_run)
     logger.close()
+    if stop_request.stopped:  # the marker before any rank exits: srun may end the others at the first exit
+        if backend.is_main:
+            write_stop_marker(run_dir, state.step, saved)
+        backend.barrier()
     if backend.is_main:
         print(end_message(state.step, cfg.train.max_steps, saved), flush=True)
     return summary

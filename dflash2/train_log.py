@@ -59,6 +59,12 @@ class TrainLogger:
                 line += f" (est {summary['est_accept_len']:.2f}/{summary['est_accept_len_selector']:.2f})"
             else:
                 line += f" | tau {summary['insample_accept_len']:.2f} (est {summary['est_accept_len']:.2f})"
+            if "kl_loss" in summary:  # the terms against the target's distribution, and sampling's tau
+                line += (
+                    f" | ce/kl/tv {summary['ce_loss']:.3f}/{summary['kl_loss']:.3f}/{summary['tv_loss']:.3f}"
+                )
+            if "insample_accept_len_sampled" in summary:
+                line += f" | tau sampled {summary['insample_accept_len_sampled']:.2f}"
             line += (
                 f" | lr {timing['lr']:.2e} | {scalars['tokens_per_s']:.0f} tok/s"
                 f" | capture {100 * scalars['capture_fraction']:.0f}%"

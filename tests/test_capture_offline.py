@@ -33,6 +33,7 @@ def overrides(tiny_default, tmp_path_factory) -> list[str]:
         "backend=fsdp",
         "objective.num_anchors=8",
         "train.micro_batch_size=4",
+        "train.global_batch_size=null",  # the accumulation steps of the overrides, on any number of ranks
         "train.max_steps=2",
         "train.warmup_steps=0",
         "train.lr=3e-3",
@@ -118,6 +119,70 @@ def test_training_from_features_matches_online_and_never_loads_the_target(
     first = [metrics(tmp_path / name)[0] for name in ("online", "offline")]
     assert first[1]["loss"] == pytest.approx(first[0]["loss"], rel=1e-5)
     assert first[1]["num_supervised_tokens"] == first[0]["num_supervised_tokens"]
+
+
+def test_the_stored_last_hidden_state_is_the_hf_final_normed_state(
+    features_dir, overrides, tiny_default, tiny_tokenizer
+):
+    """The teacher of the KL / TV terms: hidden_states[L] of a plain HF forward (the final norm's
+    output), appended after the features when the reader asks for it."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash2.data.prepare import prepare_dataset
+
+    cfg = load_run_config(TINY_CONFIG, [*overrides, "output_dir=unused"])
+    dataset, _ = prepare_dataset(cfg.data.train, tiny_tokenizer, cfg.data.max_length, on_error="fail")
+    model = AutoModelForCausalLM.from_pretrained(tiny_default.target_dir, dtype=torch.float32).eval()
+    plain = OfflineFeatures(features_dir, expected_identity(overrides))
+    store = OfflineFeatures(features_dir, expected_identity(overrides), last_hidden=True)
+    indices = [3, 30, 8]
+    batch = collate([dataset[i] for i in indices], tiny_tokenizer.pad_token_id)
+    with torch.no_grad():
+        hidden = model(batch["input_ids"], attention_mask=batch["attention_mask"], output_hidden_states=True)
+    seq_len, real = batch["input_ids"].shape[1], batch["attention_mask"].bool()
+    got = store.batch(indices, seq_len)
+    assert got.shape == (len(indices), seq_len, 384 + 128)
+    assert torch.equal(got[..., :384], plain.batch(indices, seq_len))
+    torch.testing.assert_close(got[..., 384:][real], hidden.hidden_states[-1][real], rtol=1e-5, atol=1e-5)
+
+
+DISTILL = ["objective.kl_weight=0.5", "objective.tv_weight=0.5"]
+
+
+def test_distillation_from_features_matches_online_capture(features_dir, overrides, tmp_path):
+    online = tmp_path / "online"
+    check_ok(launch_train(1, [*overrides, *DISTILL, f"output_dir={online}"]))
+    offline = tmp_path / "offline"
+    check_ok(
+        launch_train(1, [*overrides, *DISTILL, f"output_dir={offline}", f"data.features_dir={features_dir}"])
+    )
+    for step_online, step_offline in zip(metrics(online), metrics(offline), strict=True):
+        for name in ("loss", "ce_loss", "kl_loss", "tv_loss", "insample_accept_len_sampled"):
+            assert step_offline[name] == pytest.approx(step_online[name], rel=1e-5), name
+    assert metrics(online)[0]["kl_loss"] > 0
+
+
+def test_features_without_the_last_hidden_state_train_ce_only_and_refuse_kl(
+    features_dir, overrides, tmp_path
+):
+    """A directory captured before the last hidden state was stored (its manifest has no
+    last_hidden_dim): still read by a cross-entropy run, refused with the fix by a KL or TV run."""
+    old = tmp_path / "old_features"
+    old.mkdir()
+    manifest = json.loads((features_dir / "manifest.json").read_text())
+    del manifest["last_hidden_dim"]
+    (old / "manifest.json").write_text(json.dumps(manifest))
+    for name in manifest["shards"]:
+        (old / name).symlink_to(features_dir / name)
+    OfflineFeatures(old, expected_identity(overrides))  # a CE-only run reads them
+    for weight in ("objective.kl_weight=0.5", "objective.tv_weight=1"):
+        refused = launch_train(
+            1, [*overrides, weight, f"output_dir={tmp_path / 'run'}", f"data.features_dir={old}"]
+        )
+        assert refused.returncode == 2, refused.stderr[-3000:]
+        assert "captured without the target's last hidden state" in refused.stderr
+        assert f"recapture: data_prep/capture.py --config <this run's config> --out {old}" in refused.stderr
+        assert "Traceback" not in refused.stderr
 
 
 @pytest.mark.parametrize(

@@ -273,6 +273,52 @@ def test_resume_refuses_a_changed_attention_pattern_or_chat_template(tmp_path, t
     load_checkpoint(FakeBackend(), ckpt, contract=build_contract(cfg, build_draft(raw).config.to_dict(), 1))
 
 
+def test_resume_refuses_changed_loss_terms_or_position_weights(tmp_path, tiny_default):
+    """The loss mix (ce / kl / tv weights, teacher temperature) and the position weighting are part of
+    the contract: a resume with others stops, naming each field with both values."""
+    from dflash2.config import load_run_config
+    from dflash2.models import build_draft
+    from dflash2.models.config import load_config_dict
+    from dflash2.train import build_contract
+    from tests.run_helpers import TINY_CONFIG
+
+    paths = [
+        f"model.target={tiny_default.target_dir}",
+        f"data.train={tiny_default.train_jsonl}",
+        "output_dir=x",
+    ]
+    cfg = load_run_config(TINY_CONFIG, paths)
+    draft_config = build_draft(load_config_dict(cfg.model.draft_config)).config.to_dict()
+    saved = build_contract(cfg, draft_config, data_parallel_size=1)
+    ckpt = save_checkpoint(
+        FakeBackend(), tmp_path, 1, draft_config=draft_config, contract=saved, train_state={}, keep_last=1
+    )
+    changed = [
+        "objective.ce_weight=0.1",
+        "objective.kl_weight=0.5",
+        "objective.tv_weight=0.9",
+        "objective.distill_temperature=2.0",
+        "objective.loss_gamma=null",
+        "objective.position_weighting=exponential",
+        "objective.position_decay=0.5",
+    ]
+    new = build_contract(load_run_config(TINY_CONFIG, [*paths, *changed]), draft_config, data_parallel_size=1)
+    with pytest.raises(ValueError) as err:
+        load_checkpoint(FakeBackend(weight=0.0), ckpt, contract=new)
+    message = str(err.value)
+    for line in (
+        "  ce_weight: saved 1.0, new 0.1",
+        "  kl_weight: saved 0.0, new 0.5",
+        "  tv_weight: saved 0.0, new 0.9",
+        "  distill_temperature: saved 1.0, new 2.0",
+        "  loss_gamma: saved 7.0, new None",
+        "  position_weighting: saved 'gamma', new 'exponential'",
+        "  position_decay: saved 0.8, new 0.5",
+    ):
+        assert line in message
+    assert len([line for line in message.splitlines() if line.startswith("  ")]) == 7
+
+
 # ---- durability and failed writes ---------------------------------------------------------------------
 
 
@@ -385,3 +431,22 @@ def test_resume_accepts_any_directory_name_and_refuses_incomplete_ones(tmp_path)
         check_resume(copy, CONTRACT)
     (tmp_path / "checkpoints" / "step_not_a_number").mkdir()  # never taken for a step directory
     assert find_latest(tmp_path) == ckpt
+
+
+def test_contract_mismatch_names_the_overrides_that_resume():
+    """A requeue onto fewer GPUs without train.global_batch_size: the refusal gives the exact override."""
+    saved = {**CONTRACT, "global_batch_size": 16, "chat_template_kwargs": {}, "num_anchors": 8}
+    new = {
+        **saved,
+        "global_batch_size": 8,
+        "chat_template_kwargs": {"enable_thinking": False},
+        "block_size": 8,
+    }
+    with pytest.raises(ValueError) as err:
+        validate_contract(saved, new)
+    lines = str(err.value).splitlines()
+    assert "  global_batch_size: saved 16, new 8" in lines
+    # block_size comes from the draft config, not from one override: it is listed, not suggested
+    assert (
+        "To resume, add these overrides: 'data.chat_template_kwargs={}' train.global_batch_size=16" in lines
+    )

@@ -63,10 +63,14 @@ def test_train_names_a_missing_relative_target_and_never_asks_the_hub(monkeypatc
             ["--config", str(TINY_CONFIG), "data.train=/nowhere/data.jsonl"],
             ["data.train='/nowhere/data.jsonl'"],
         ),
+        (
+            ["--config", str(TINY_CONFIG), "train.max_step=5"],
+            ["train.max_step: Extra inputs are not permitted; did you mean train.max_steps?"],
+        ),
         (["--config", str(TINY_CONFIG), "train.resume=/nowhere"], ["train.resume='/nowhere'"]),
         (["--config", str(TINY_CONFIG), "model.target=/nowhere/target"], ["model.target='/nowhere/target'"]),
     ],
-    ids=["config", "override", "unknown-key", "data", "resume", "absolute-target"],
+    ids=["config", "override", "unknown-key", "did-you-mean", "data", "resume", "absolute-target"],
 )
 def test_train_config_errors(monkeypatch, capsys, tiny_default, arguments, fragments):
     overrides = [f"model.target={tiny_default.target_dir}", f"data.train={tiny_default.train_jsonl}"]

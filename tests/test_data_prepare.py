@@ -296,3 +296,92 @@ def test_the_trainer_reports_what_it_kept_and_dropped_on_rank_0_only(
         "kept 2 of 3 conversations, dropped 1 (invalid_utf8: 1), duplicates 1 (kept)"
         in capsys.readouterr().out
     )
+
+
+# ---- exact labels: replies that carry the target's token ids -------------------------------------
+
+
+def _spelled_out(tokenizer, text: str) -> list[int]:
+    """Ids of `text` one character at a time: they decode to `text` but are not its tokenisation."""
+    return [tokenizer(c, add_special_tokens=False)["input_ids"][0] for c in text]
+
+
+def test_a_reply_with_token_ids_trains_on_them_and_the_mismatch_is_counted(tiny_tokenizer, tmp_path):
+    text = REPLY["content"]
+    spelled = _spelled_out(tiny_tokenizer, text)
+    assert tiny_tokenizer.decode(spelled) == text
+    canonical = tiny_tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert spelled != canonical  # the premise: ids that do not re-tokenise from the text
+    rows = [
+        {"id": "spelled", "conversations": [USER, {**REPLY, "token_ids": spelled}]},
+        {"id": "canonical", "conversations": [USER, {**REPLY, "token_ids": canonical}]},
+        {"id": "text-only", "conversations": [USER, REPLY]},
+    ]
+    dataset, summary = prepare_dataset(_write_jsonl(tmp_path / "ids.jsonl", rows), tiny_tokenizer, 256)
+
+    # Reference: what a server feeds the target, what the target generated, its end-of-turn token.
+    prompt = _ids(tiny_tokenizer, [USER], add_generation_prompt=True)
+    newline = tiny_tokenizer("\n", add_special_tokens=False)["input_ids"]
+    im_end = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    for row, reply_ids in zip(dataset, (spelled, canonical)):
+        assert row["input_ids"] == prompt + reply_ids + [im_end] + newline
+        assert row["loss_mask"] == [0] * len(prompt) + [1] * (len(reply_ids) + 1) + [0] * len(newline)
+    assert dataset[2]["input_ids"] == _ids(tiny_tokenizer, [USER, REPLY])
+    assert (
+        dataset[2]["loss_mask"]
+        == dataset[1]["loss_mask"]
+        == expected_loss_mask(tiny_tokenizer, [USER, REPLY])
+    )
+    assert summary["num_with_token_ids"] == 2
+    assert summary["num_token_ids_mismatch"] == 1 and summary["token_ids_mismatch_lines"] == [1]
+
+
+def test_token_ids_of_every_reply_of_a_multi_turn_conversation_are_used(tiny_tokenizer, tmp_path):
+    second_user = {"role": "user", "content": "And back?"}
+    second = {"role": "assistant", "content": "9, 8, 7, 6, 5, 4, 3."}
+    messages = [USER, {**REPLY, "token_ids": _spelled_out(tiny_tokenizer, REPLY["content"])}, second_user]
+    messages.append({**second, "token_ids": _spelled_out(tiny_tokenizer, second["content"])})
+    dataset, _ = prepare_dataset(
+        _write_jsonl(tmp_path / "two.jsonl", [{"conversations": messages}]), tiny_tokenizer, 512
+    )
+
+    # Reference: the canonical tokenisation with each reply's tokens (its loss-mask run, less the
+    # end-of-turn token) replaced by the reply's own ids.
+    plain = [{"role": m["role"], "content": m["content"]} for m in messages]
+    canonical, mask = _ids(tiny_tokenizer, plain), expected_loss_mask(tiny_tokenizer, plain)
+    expected, expected_mask, position = [], [], 0
+    for reply in (messages[1], messages[3]):
+        start = mask.index(1, position)
+        end = mask.index(0, start) - 1  # the end-of-turn token
+        expected += canonical[position:start] + reply["token_ids"] + [canonical[end]]
+        expected_mask += [0] * (start - position) + [1] * (len(reply["token_ids"]) + 1)
+        position = end + 1
+    expected += canonical[position:]
+    expected_mask += [0] * (len(canonical) - position)
+    assert dataset[0]["input_ids"] == expected and dataset[0]["loss_mask"] == expected_mask
+
+
+BAD_TOKEN_IDS = [
+    ({**REPLY, "token_ids": "1 2 3"}, "'token_ids' must be a list of non-negative integer token ids"),
+    ({**REPLY, "token_ids": [5, -1]}, "'token_ids' must be a list of non-negative integer token ids"),
+    ({**REPLY, "token_ids": [5, 1.5]}, "'token_ids' must be a list of non-negative integer token ids"),
+    ({**REPLY, "token_ids": [True]}, "'token_ids' must be a list of non-negative integer token ids"),
+    ({**REPLY, "token_ids": []}, "'token_ids' is empty"),
+]
+
+
+@pytest.mark.parametrize("reply,reason", BAD_TOKEN_IDS)
+def test_malformed_token_ids_are_a_clear_per_line_error(tiny_tokenizer, tmp_path, reply, reason):
+    path = _write_jsonl(tmp_path / "bad.jsonl", [VALID, {"id": "bad", "conversations": [USER, reply]}])
+    with pytest.raises(ValueError, match=f"bad.jsonl:2: .*{re.escape(reason)}"):
+        prepare_dataset(path, tiny_tokenizer, max_length=256, on_error="fail")
+    dataset, summary = prepare_dataset(path, tiny_tokenizer, max_length=256, on_error="skip", quiet=True)
+    assert dataset["id"] == ["ok"] and summary["dropped_by_reason"] == {"bad_token_ids": 1}
+
+
+def test_token_ids_on_a_user_turn_are_an_error(tiny_tokenizer, tmp_path):
+    path = _write_jsonl(tmp_path / "bad.jsonl", [{"conversations": [{**USER, "token_ids": [5]}, REPLY]}])
+    with pytest.raises(
+        ValueError, match="bad.jsonl:1: turn 1 \\(user\\) has 'token_ids'; only replies carry them"
+    ):
+        prepare_dataset(path, tiny_tokenizer, max_length=256, on_error="fail")

@@ -59,6 +59,7 @@ def common(tiny_default, tmp_path_factory) -> list[str]:
         "backend=fsdp",
         "objective.num_anchors=8",
         "train.micro_batch_size=2",  # x 2 trainer ranks: a global micro-batch of 4
+        "train.global_batch_size=null",  # the accumulation steps of the overrides, on any number of ranks
         "train.max_steps=4",
         "train.warmup_steps=0",
         "train.lr=3e-3",
@@ -233,3 +234,22 @@ def test_a_disaggregated_run_resumes_on_fewer_trainer_ranks(fsdp_disaggregated, 
     assert "resumed from" in resumed.stdout
     assert "micro-batch 2 x 2 accumulation steps x 1 ranks" in resumed.stdout
     assert losses(tmp_path) == pytest.approx(losses(fsdp_disaggregated[0]), rel=1e-6)
+
+
+def test_the_wire_carries_the_last_hidden_state_for_kl_and_tv(common, tmp_path):
+    """With KL and TV weights the capture rank sends the target's last hidden state with the features:
+    the trainers' per-step terms equal the colocated 2-rank run's."""
+    distill = [
+        "objective.kl_weight=0.5",
+        "objective.tv_weight=0.5",
+        "train.max_steps=2",
+        "train.export=false",
+    ]
+    colocated_dir, split = tmp_path / "colocated", tmp_path / "disaggregated"
+    check_ok(launch_train(2, [*common, *distill, f"output_dir={colocated_dir}"]))
+    args = [*common, *distill, f"output_dir={split}", "topology=disaggregated", "capture_ranks=1"]
+    check_ok(launch_train(3, args))
+    for want, got in zip(metrics(colocated_dir), metrics(split), strict=True):
+        for name in ("loss", "ce_loss", "kl_loss", "tv_loss", "insample_accept_len_sampled"):
+            assert got[name] == pytest.approx(want[name], rel=1e-6), name
+    assert metrics(split)[0]["kl_loss"] > 0

@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from dflash2 import decode
 from dflash2 import evaluate as ev
 from dflash2.models import TargetHead, build_draft
 from tests.draft_helpers import plain_greedy, randomize_, tiny_draft_config
@@ -103,7 +104,7 @@ def head(target):
 @pytest.mark.parametrize("architecture", ["DFlashDraftModel", "DFlash2DraftModel"])
 def test_greedy_output_equals_target_greedy(target, head, architecture):
     draft = build_random_draft(architecture)
-    result = ev.speculative_generate(draft, target, head, PROMPT, max_new_tokens=40)
+    result = decode.speculative_generate(draft, target, head, PROMPT, max_new_tokens=40)
     assert result.output_ids == plain_greedy(target, PROMPT, 40)
     # Bookkeeping: every token but the prefill one is committed by a verify step.
     assert sum(result.acceptance_lengths) + 1 == len(result.output_ids) == 40
@@ -117,11 +118,14 @@ def test_stop_token_ends_generation(target, head):
     reference = plain_greedy(target, PROMPT, 30)
     stop = reference[12]
     first = reference.index(stop)
-    result = ev.speculative_generate(draft, target, head, PROMPT, max_new_tokens=30, stop_token_ids=[stop])
+    result = decode.speculative_generate(
+        draft, target, head, PROMPT, max_new_tokens=30, stop_token_ids=[stop]
+    )
     assert result.output_ids == reference[: first + 1]
     assert result.stop_reason == "stop_token"
     assert (
-        ev.target_generate(target, PROMPT, max_new_tokens=30, stop_token_ids=[stop]) == reference[: first + 1]
+        decode.target_generate(target, PROMPT, max_new_tokens=30, stop_token_ids=[stop])
+        == reference[: first + 1]
     )
 
 
@@ -133,7 +137,7 @@ def test_untrained_draft_accepts_almost_nothing(target, head):
     cfg["dflash_config"].update(mask_token_id=299, num_target_layers=NUM_LAYERS)
     torch.manual_seed(0)
     draft = build_draft(cfg).eval()
-    result = ev.speculative_generate(draft, target, head, PROMPT, max_new_tokens=60)
+    result = decode.speculative_generate(draft, target, head, PROMPT, max_new_tokens=60)
     assert result.mean_acceptance_length < 1.3
 
 
@@ -152,8 +156,8 @@ def test_oracle_draft_gets_full_blocks(target, head, monkeypatch):
         padded = reference[start : start + draft.block_size - 1] + [0] * draft.block_size
         return torch.tensor(padded[: draft.block_size - 1]), None, torch.ones(draft.block_size - 1, 300) / 300
 
-    monkeypatch.setattr(ev, "draft_block", oracle_block)
-    result = ev.speculative_generate(draft, target, head, PROMPT, max_new_tokens=40)
+    monkeypatch.setattr(decode, "draft_block", oracle_block)
+    result = decode.speculative_generate(draft, target, head, PROMPT, max_new_tokens=40)
     assert result.output_ids == reference
     # 1 prefill token + 9 full blocks of 4 = 37; the 10th step keeps the 3 tokens left.
     assert result.acceptance_lengths == [4] * 9 + [3]
@@ -169,7 +173,7 @@ def test_cached_draft_proposes_what_the_full_forward_proposes(target, head, arch
     draft = build_random_draft(architecture)
     assert draft.layers[0].self_attn.sliding_window == 6
     features, steps = [], []
-    extend_context, draft_block = draft.extend_context, ev.draft_block
+    extend_context, draft_block = draft.extend_context, decode.draft_block
 
     def recording_extend(cache, new_features):
         features.append(new_features)
@@ -181,8 +185,8 @@ def test_cached_draft_proposes_what_the_full_forward_proposes(target, head, arch
         return tokens, candidates, q
 
     monkeypatch.setattr(draft, "extend_context", recording_extend)
-    monkeypatch.setattr(ev, "draft_block", recording_block)
-    result = ev.speculative_generate(draft, target, head, PROMPT, max_new_tokens=60)
+    monkeypatch.setattr(decode, "draft_block", recording_block)
+    result = decode.speculative_generate(draft, target, head, PROMPT, max_new_tokens=60)
     assert len(steps) == len(result.acceptance_lengths) >= 15
     for prefix, anchor, tokens in steps:
         block_ids = torch.tensor([[anchor] + [draft.mask_token_id] * (draft.block_size - 1)])
@@ -190,6 +194,37 @@ def test_cached_draft_proposes_what_the_full_forward_proposes(target, head, arch
             hidden = draft(head.embed(block_ids)[:, None], prefix, torch.tensor([[prefix.shape[1]]]))
         want = draft.propose(hidden[:, 0, 1:], torch.tensor([anchor]), head)[0][0]
         assert tokens == want.tolist()
+
+
+@pytest.mark.parametrize("architecture", ["DFlashDraftModel", "DFlash2DraftModel"])
+def test_decoding_layout_keeps_values_and_greedy_output(architecture):
+    """use_decoding_layout swaps the strides of every linear weight (and of the head's LM head),
+    nothing else: same values, tied weights still one tensor, idempotent; greedy speculative
+    decoding on the re-laid models is still the (original) target's own greedy decoding, and its
+    logits are the original ones within fp32 rounding."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from dflash2.target_state import use_decoding_layout
+
+    target = build_target(seed=2)
+    tied = Qwen3ForCausalLM(Qwen3Config(**{**target.config.to_dict(), "tie_word_embeddings": True})).eval()
+    head, draft = TargetHead.from_target(target), build_random_draft(architecture)
+    before = {name: t.clone() for m in (target, draft, head) for name, t in m.state_dict().items()}
+    with torch.no_grad():
+        logits = target(torch.tensor([PROMPT])).logits
+    reference = plain_greedy(target, PROMPT, 40)
+    for _ in range(2):
+        use_decoding_layout(target, draft, head, tied)
+    after = {name: t for m in (target, draft, head) for name, t in m.state_dict().items()}
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    for weight in (target.lm_head.weight, target.model.layers[0].mlp.up_proj.weight, head.lm_head_weight):
+        assert weight.stride() == (1, weight.shape[0])  # column-major [out, in]
+    assert draft.fc.weight.stride() == (1, draft.fc.weight.shape[0])
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight and tied.lm_head.weight.stride()[0] == 1
+    with torch.no_grad():
+        torch.testing.assert_close(target(torch.tensor([PROMPT])).logits, logits, rtol=1e-5, atol=1e-5)
+    result = decode.speculative_generate(draft, target, head, PROMPT, max_new_tokens=40)
+    assert result.output_ids == reference == decode.target_generate(target, PROMPT, max_new_tokens=40)
 
 
 # ------------------------------------------------------------------ sampling is lossless
@@ -249,7 +284,7 @@ def test_sampling_is_lossless(kind, target_seed, draft_seed):
     generator = torch.Generator().manual_seed(0)
     num_accepted = num_rollbacks = 0
     for _ in range(NUM_RUNS):
-        result = ev.speculative_generate(
+        result = decode.speculative_generate(
             draft, target, head, prompt, max_new_tokens=3, temperature=TEMPERATURE, generator=generator
         )
         counts[0, result.output_ids[1]] += 1
@@ -280,11 +315,99 @@ def test_verify_sampling_matches_target_distribution():
         counts = torch.zeros(vocab)
         for _ in range(num_trials):
             proposals = [int(torch.multinomial(q[i], 1, generator=gen)) for i in range(2)]
-            n, token = ev.verify_sampling(proposals, q, target_logits, 1.0, gen)
+            n, token = decode.verify_sampling(proposals, q, target_logits, 1.0, gen)
             counts[proposals[0] if n > 0 else token] += 1
         tv = float(0.5 * (counts / num_trials - p[0]).abs().sum())
         bound = null_tv_bound(p[0].double(), num_trials)
         assert tv < bound, (tv, bound)
+
+
+# ------------------------------------------------------------------ speedup over the target alone
+
+TARGET_FORWARD_S, DRAFT_STEP_S = 1.0, 0.25
+
+
+class FakeClock:
+    """Time that passes only when the target runs a forward (1 s) or the draft a block (0.25 s)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def timed_models(target, monkeypatch, draft_block):
+    clock = FakeClock()
+    handle = target.register_forward_pre_hook(lambda *_: clock.advance(TARGET_FORWARD_S))
+
+    def block(*args, **kwargs):
+        clock.advance(DRAFT_STEP_S)
+        return draft_block(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "draft_block", block)
+    return clock, handle
+
+
+def oracle_draft_block(reference: list[int]):
+    """Proposes the target's own greedy continuation of PROMPT (every block accepted)."""
+
+    def block(draft, head, context, anchor, temperature=0.0, generator=None):
+        start = context.length + 1 - len(PROMPT)
+        padded = reference[start : start + draft.block_size - 1] + [0] * draft.block_size
+        return torch.tensor(padded[: draft.block_size - 1]), None, torch.ones(draft.block_size - 1, 300) / 300
+
+    return block
+
+
+@pytest.mark.parametrize("draft_kind", ["oracle", "random"])
+def test_speedup_is_the_ratio_of_the_measured_times(target, head, monkeypatch, draft_kind):
+    """On a fake clock where a target forward takes 1 s and a draft block 0.25 s, the target alone
+    spends one forward per token and speculative decoding one forward (+ one block) per verify
+    step: the summary's speeds and speedup are exactly those times' ratios, and the table says
+    when speculative decoding is slower."""
+    draft = build_random_draft("DFlash2DraftModel", block_size=4)
+    reference = plain_greedy(target, PROMPT, 40)
+    block = oracle_draft_block(reference) if draft_kind == "oracle" else decode.draft_block
+    clock, handle = timed_models(target, monkeypatch, block)
+    prompts = [PROMPT, PROMPT]
+    try:
+        summary, results = ev.evaluate_prompts(draft, target, head, prompts, max_new_tokens=40, clock=clock)
+    finally:
+        handle.remove()
+    tokens = sum(len(r.output_ids) for r in results)
+    steps = sum(len(r.acceptance_lengths) for r in results)
+    spec_s = (len(prompts) + steps) * TARGET_FORWARD_S + steps * DRAFT_STEP_S
+    target_s = tokens * TARGET_FORWARD_S  # prefill + one forward per further token: one per token
+    assert summary["target_wall_s"] == target_s and summary["wall_s"] == spec_s
+    assert summary["target_tokens_per_s"] == tokens / target_s
+    assert summary["spec_tokens_per_s"] == summary["tokens_per_s"] == tokens / spec_s
+    assert summary["speedup"] == pytest.approx(target_s / spec_s)
+    assert summary["outputs_equal_target"] == 2 and tokens == 80
+    table = ev.format_table(summary)
+    if draft_kind == "oracle":  # 1 + 9 x 4 + 3 tokens: 11 forwards + 10 blocks for 40 tokens
+        assert summary["speedup"] == pytest.approx(80 / (2 * 11 + 2 * 10 * DRAFT_STEP_S))
+        assert "faster than the target alone" in table
+    else:  # tau ~ 1: every token costs a forward and a block
+        assert summary["speedup"] < 1
+        assert f"{summary['speedup']:.2f}x: speculative decoding is slower than the target alone" in table
+
+
+def test_the_two_decodes_take_turns_prompt_by_prompt(target, head, monkeypatch):
+    order = []
+    spec, plain = ev.speculative_generate, ev.timed_target_generate
+    monkeypatch.setattr(ev, "speculative_generate", lambda *a, **k: order.append("spec") or spec(*a, **k))
+    monkeypatch.setattr(ev, "timed_target_generate", lambda *a, **k: order.append("target") or plain(*a, **k))
+    draft = build_random_draft("DFlashDraftModel")
+    summary, _ = ev.evaluate_prompts(draft, target, head, [PROMPT, PROMPT[:4], PROMPT[:6]], max_new_tokens=5)
+    assert order == ["target", "spec", "spec", "target", "target", "spec"]
+    assert summary["outputs_equal_target"] == 3
+    order.clear()
+    summary, _ = ev.evaluate_prompts(draft, target, head, [PROMPT], max_new_tokens=5, compare_target=False)
+    assert order == ["spec"] and "speedup" not in summary
 
 
 # ------------------------------------------------------------------ CLI on the tiny default
@@ -321,7 +444,8 @@ def test_cli_writes_json_tensorboard_and_plot(tiny_default, tmp_path, capsys):
         str(png),
     ]
     ev.main(args)
-    assert "mean acceptance length" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "mean acceptance length" in printed and "target alone tokens/s" in printed
     summary = json.loads(out.read_text())
     histogram = summary["acceptance_histogram"]
     assert list(histogram) == [str(k) for k in range(1, 9)]
@@ -343,6 +467,13 @@ def test_cli_writes_json_tensorboard_and_plot(tiny_default, tmp_path, capsys):
         f"{export} records no chat_template_kwargs of its training run",
     ]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the target alone decoded the same prompts: both speeds and their ratio, in every output
+    assert summary["spec_tokens_per_s"] == summary["tokens_per_s"] > 0
+    assert summary["speedup"] == pytest.approx(summary["spec_tokens_per_s"] / summary["target_tokens_per_s"])
+    assert summary["target_generated_tokens"] == summary["generated_tokens"]
+    assert summary["outputs_equal_target"] == 2
+    for key in ("spec_tokens_per_s", "target_tokens_per_s", "speedup"):
+        assert events.Scalars(f"eval/{key}")[0].value == pytest.approx(summary[key])
 
 
 def test_evaluation_defaults_to_the_training_run_of_the_export(tmp_path):
@@ -380,3 +511,28 @@ def test_cli_evaluates_in_bf16_when_asked(tiny_default, tmp_path, monkeypatch):
     assert loaded == [{torch.float32}, {torch.bfloat16}]
     assert [s["precision"] for s in summaries] == ["fp32", "bf16"]
     assert all(1 <= s["generated_tokens"] <= 8 for s in summaries)
+
+
+def test_decode_benchmark_breaks_a_verify_step_down(tiny_default, tmp_path):
+    """benchmarks/eval_decode.py: both decodes of every prompt, a verify step split into regions
+    whose self times and `other` add up to the step, and the same greedy output from both."""
+    import importlib.util
+
+    from tests.conftest import REPO_ROOT
+
+    spec = importlib.util.spec_from_file_location("eval_decode", REPO_ROOT / "benchmarks" / "eval_decode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    args = ["--target", str(tiny_default.target_dir), "--data", str(tiny_default.heldout_jsonl)]
+    args += ["--max-new-tokens", "12", "--num-prompts", "2", "--draft-layers", "1", "--block-size", "4"]
+    report = bench.main([*args, "--window-steps", "4", "--json", str(tmp_path / "r.json")])
+    assert json.loads((tmp_path / "r.json").read_text()) == report
+    assert report["generated_tokens"] == 24 and report["outputs_equal_target"] == 2
+    step = report["verify_step"]
+    regions = {"draft_block/forward", "draft_block/propose/head", "draft_block/propose/selector", "verify"}
+    assert regions | {"rollback", "draft_context", "accept"} <= set(step)
+    parts = sum(t["wall_ms"] for name, t in step.items() if name != "step")
+    assert parts == pytest.approx(step["step"]["wall_ms"], rel=1e-6)  # every step timed whole
+    assert report["speedup"] == pytest.approx(report["spec_tokens_per_s"] / report["target_tokens_per_s"])
+    ratio = step["step"]["wall_ms"] / report["plain_step_ms"]
+    assert report["verify_step_in_plain_steps"] == pytest.approx(ratio)

@@ -269,7 +269,7 @@ def test_export_cli_from_training_checkpoint(tmp_path):
     assert "bfloat16" in result.stdout.splitlines()[-1]
     exported = load_file(tmp_path / "out" / "model.safetensors")
     assert all(torch.equal(exported[name], state[name].to(torch.bfloat16)) for name in state)
-    # the checkpoint's step, for evaluation's TensorBoard (its chat template arguments are not in it)
+    # the checkpoint's step, for evaluation's TensorBoard (no contract.json here: no chat template arguments)
     assert read_training_run(tmp_path / "out") == {"step": 1200}
     # an export of that export keeps the record
     assert main([str(tmp_path / "out"), str(tmp_path / "again")]) == 0
@@ -367,3 +367,82 @@ def test_qwen36_27b_builds_on_meta():
     assert num_params == sum(math.prod(shape) for shape in expected.values())
     assert {name: tuple(t.shape) for name, t in draft.state_dict().items()} == expected
     assert 1.90e9 < num_params < 1.95e9
+
+
+def test_check_on_a_training_checkpoint_names_the_export_command(tmp_path, capsys):
+    cfg = load_config_dict(TINY_V2)
+    ckpt = tmp_path / "step_00000300"
+    write_dir(
+        ckpt,
+        cfg,
+        synthetic_tensors(cfg, torch.float32),
+        config_name="draft_config.json",
+        weights_name="draft.safetensors",
+    )
+    assert main(["--check", str(ckpt)]) == 1
+    assert (
+        f"is a training checkpoint, not an export: write its export with `python -m dflash2.export {ckpt} <out>`"
+        in (capsys.readouterr().out)
+    )
+
+
+def test_export_from_a_checkpoint_keeps_the_runs_chat_template_kwargs(tmp_path):
+    """contract.json holds the run's data.chat_template_kwargs (the thinking mode): the export records
+    them with the step, so evaluation renders prompts as the training data was."""
+    cfg = load_config_dict(TINY_V2)
+    ckpt = tmp_path / "ckpt"
+    write_dir(
+        ckpt,
+        cfg,
+        synthetic_tensors(cfg, torch.float32),
+        config_name="draft_config.json",
+        weights_name="draft.safetensors",
+    )
+    (ckpt / "train_state.json").write_text(json.dumps({"step": 40, "epoch": 1}))
+    (ckpt / "contract.json").write_text(
+        json.dumps({"chat_template_kwargs": {"enable_thinking": False}, "seed": 0})
+    )
+    assert main([str(ckpt), str(tmp_path / "out")]) == 0
+    assert read_training_run(tmp_path / "out") == {
+        "step": 40,
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
+
+
+def test_a_draft_target_mismatch_names_both_files(tmp_path, capsys):
+    cfg = load_config_dict(TINY_V2)
+    write_dir(tmp_path / "hf", cfg, synthetic_tensors(cfg))
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "config.json").write_text(
+        json.dumps({"hidden_size": 256, "vocab_size": 1024, "num_hidden_layers": 6})
+    )
+    files = f"(draft {tmp_path / 'hf' / 'config.json'}, target {tmp_path / 'target' / 'config.json'})"
+    assert main(["--check", str(tmp_path / "hf"), "--target", str(tmp_path / "target")]) == 1
+    assert f"hidden_size=128 but the target's hidden_size is 256 {files}" in capsys.readouterr().out
+    assert main([str(tmp_path / "hf"), str(tmp_path / "out"), "--target", str(tmp_path / "target")]) == 1
+    assert files in capsys.readouterr().err
+    # building the draft from its file against a transformers config read from the target directory
+    from transformers import AutoConfig
+
+    target_config = AutoConfig.for_model("qwen3", hidden_size=256, vocab_size=1024, num_hidden_layers=6)
+    target_config.save_pretrained(tmp_path / "hf_target")
+    with pytest.raises(ValueError) as err:
+        build_draft(TINY_V2, target_config=AutoConfig.from_pretrained(tmp_path / "hf_target"))
+    assert f"(draft {TINY_V2}, target {tmp_path / 'hf_target' / 'config.json'})" in str(err.value)
+
+
+def test_a_draft_tokenizer_mask_token_mismatch_names_both(tmp_path, tiny_default, capsys):
+    from transformers import AutoTokenizer
+
+    cfg = load_config_dict(TINY_V2)
+    cfg["dflash_config"]["mask_token_id"] = 5  # the tiny tokenizer's mask token <|mask|> is id 3
+    write_dir(tmp_path / "hf", cfg, synthetic_tensors(cfg))
+    target = str(tiny_default.target_dir)
+    assert main(["--check", str(tmp_path / "hf"), "--tokenizer", target]) == 1
+    out = capsys.readouterr().out
+    assert (
+        "mask token '<|mask|>' has id 3" in out
+        and f"(draft {tmp_path / 'hf' / 'config.json'}, tokenizer {target})" in out
+    )
+    with pytest.raises(ValueError, match=r"tokenizer .*tiny/target\)"):
+        build_draft(tmp_path / "hf" / "config.json", tokenizer=AutoTokenizer.from_pretrained(target))

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from dflash2.checkpoint import find_latest, read_train_state
 from dflash2.errors import EXIT_FAILED, EXIT_STOPPED, EXIT_USER_ERROR, ReportedError, job_exit_code
-from dflash2.faults import TIMEOUT_ENV, StopRequest, collective_section, collective_timeout
+from dflash2.faults import TIMEOUT_ENV, StopRequest, collective_section, collective_timeout, stop_marker
 from tests.run_helpers import (
     REPO,
     TIMEOUT_S,
@@ -57,6 +57,7 @@ def common(tiny_default, tmp_path_factory) -> list[str]:
         "data.max_length=96",
         "objective.num_anchors=8",
         "train.micro_batch_size=2",
+        "train.global_batch_size=null",  # the accumulation steps of the overrides, on any number of ranks
         f"train.max_steps={STEPS}",
         "train.save_every=0",
         "train.export=false",
@@ -92,9 +93,12 @@ def started_until_step(launched, command: list[str], log: Path, step: int, extra
 
 
 def assert_stopped_without_loss(run_dir: Path, at_least: int) -> int:
-    """The checkpoint is at the last step logged: every step trained was saved."""
+    """The checkpoint is at the last step logged: every step trained was saved. The run's stop marker
+    (what a SLURM batch shell requeues on) names that step and checkpoint."""
     step = saved_step(run_dir)
     assert step >= at_least and logged_steps(run_dir)[-1] == step, (step, logged_steps(run_dir))
+    marker = json.loads(stop_marker(run_dir).read_text())
+    assert marker["step"] == step and Path(marker["checkpoint"]).name == find_latest(run_dir).name, marker
     return step
 
 
@@ -202,6 +206,7 @@ def test_one_process_stops_on_sigint_refuses_a_resume_early_and_resumes_from_any
     assert process.wait(timeout=TIMEOUT_S) == EXIT_STOPPED, log.read_text()[-4000:]
     stopped = assert_stopped_without_loss(run_dir, at_least=1)
     assert f"stopped on a SIGINT after step {stopped} of {STEPS}" in log.read_text()
+    assert json.loads(stop_marker(run_dir).read_text())["signal"] == "SIGINT"
     config = (run_dir / "config.yaml").read_text()
 
     refused = launch_train(1, [*args, "objective.num_anchors=9"])

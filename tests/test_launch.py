@@ -19,7 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash2.errors import EXIT_STOPPED
+from dflash2.errors import EXIT_STOPPED, EXIT_USER_ERROR
+from dflash2.faults import STOP_MARKER
 from tests.run_helpers import check_ok, launch_train, metrics, tiny_subset
 
 REPO = Path(__file__).resolve().parent.parent
@@ -45,13 +46,17 @@ def write_stub(directory: Path, name: str, body: str) -> None:
     path.chmod(0o755)
 
 
-def stub_scontrol(directory: Path, nodelist: str, hostnames: list[str], log: Path) -> None:
-    """scontrol that answers `show hostnames <nodelist>` with the recorded hosts and logs `requeue <id>`."""
+def stub_scontrol(
+    directory: Path, nodelist: str, hostnames: list[str], log: Path, job_state: str = "RUNNING"
+) -> None:
+    """scontrol that answers `show hostnames <nodelist>` with the recorded hosts and `show job` with
+    `job_state`, and logs `requeue <id>`."""
     write_stub(
         directory,
         "scontrol",
         f"""echo "$*" >> {log}
 if [[ "$1 $2" == "show hostnames" && "$3" == "{nodelist}" ]]; then printf '%s\\n' {" ".join(hostnames)}; exit 0; fi
+if [[ "$1 $2" == "show job" ]]; then echo "JobId=$3 JobState={job_state}"; exit 0; fi
 if [[ "$1" == requeue ]]; then exit 0; fi
 echo "scontrol stub: unexpected arguments: $*" >&2; exit 1
 """,
@@ -77,7 +82,8 @@ def test_scripts_parse(script):
 def test_sbatch_files_request_requeue_and_a_warning_signal():
     for name in ("zero3", "fsdp", "disaggregated"):
         text = (REPO / "launch" / "slurm" / f"{name}.sbatch").read_text()
-        assert "#SBATCH --requeue" in text and "#SBATCH --signal=B:USR1@120" in text, name
+        assert "#SBATCH --requeue" in text and "#SBATCH --signal=B:USR1@300" in text, name
+        assert "#SBATCH --mem=0" in text and "#SBATCH --exclusive" in text, name
 
 
 @pytest.mark.parametrize("case_file", SLURM_CASES, ids=lambda p: p.stem)
@@ -105,27 +111,54 @@ def test_env_derivation_names_what_is_missing(tmp_path):
 
 
 def start_sbatch(
-    tmp_path: Path, overrides: list[str], on_usr1: int = EXIT_STOPPED, alone: str = "sleep 60 & step=$!; wait"
+    tmp_path: Path,
+    tiny_default,
+    overrides: list[str],
+    *,
+    exit_on_signal: int = EXIT_STOPPED,
+    writes_marker: bool = True,
+    alone: str = "sleep 60 & step=$!; wait",
+    case: str = "slurm_env_1node.json",
+    extra_env: dict | None = None,
+    job_state: str = "RUNNING",
 ) -> tuple[subprocess.Popen, Path, Path]:
-    """Run launch/slurm/fsdp.sbatch as SLURM would (batch shell, recorded 1-node environment) with
-    stub srun / scontrol. The srun stub records its arguments, then runs `alone` like a running step;
-    SIGUSR1 (which the batch shell must pass on) ends it with `on_usr1`, as the workers would after
-    their checkpoint."""
-    case = json.loads((FIXTURES / "slurm_env_1node.json").read_text())
-    stub_scontrol(
-        tmp_path, case["env"]["SLURM_JOB_NODELIST"], case["scontrol_hostnames"], tmp_path / "scontrol.log"
-    )
-    srun_log = tmp_path / "srun.log"
+    """Run launch/slurm/fsdp.sbatch as SLURM would (batch shell, a recorded environment) with stub
+    srun / scontrol, on the tiny default with output_dir tmp_path/run. The srun stub records its
+    arguments, then runs `alone` like a running step; SIGUSR1 or SIGTERM (which the batch shell must
+    pass on) ends it as the workers would after their checkpoint: the run's stop marker (when
+    `writes_marker`), then exit `exit_on_signal`."""
+    recorded = json.loads((FIXTURES / case).read_text())
+    nodelist, hosts = recorded["env"]["SLURM_JOB_NODELIST"], recorded["scontrol_hostnames"]
+    stub_scontrol(tmp_path, nodelist, hosts, tmp_path / "scontrol.log", job_state)
+    srun_log, run_dir = tmp_path / "srun.log", tmp_path / "run"
+    marker = f"echo '{{\"step\": 5}}' > {run_dir / STOP_MARKER}; " if writes_marker else ""
+    on_signal = f"echo $1 >> {tmp_path / 'signals.log'}; {marker}kill $step; exit {exit_on_signal}"
     write_stub(
         tmp_path,
         "srun",
-        f'trap "echo USR1 >> {tmp_path / "signals.log"}; kill \\$step; exit {on_usr1}" USR1\n'
+        f"stop() {{ {on_signal}; }}\ntrap 'stop USR1' USR1\ntrap 'stop TERM' TERM\necho $$ > {tmp_path / 'srun.pid'}\n"
         f'printf "%s\\n" "$@" > {srun_log}.tmp; mv {srun_log}.tmp {srun_log}\n{alone}\n',
     )
-    env = slurm_environment(case, tmp_path) | {"DFLASH2_ROOT": str(REPO), "PYTHON": sys.executable}
-    command = ["bash", "launch/slurm/fsdp.sbatch", "configs/tiny-dflash2.yaml", *overrides]
+    # scancel --signal=TERM <job>: every process of the job's steps, here the stub step
+    write_stub(
+        tmp_path,
+        "scancel",
+        f'echo "$*" >> {tmp_path / "scancel.log"}\n[[ "$1 $2" == "--signal=TERM 77" ]] && kill -TERM $(cat {tmp_path / "srun.pid"})\n',
+    )
+    env = slurm_environment(recorded, tmp_path) | {"DFLASH2_ROOT": str(REPO), "PYTHON": sys.executable}
+    paths = [
+        f"model.target={tiny_default.target_dir}",
+        f"data.train={tiny_default.train_jsonl}",
+        f"output_dir={run_dir}",
+    ]
+    command = ["bash", "launch/slurm/fsdp.sbatch", "configs/tiny-dflash2.yaml", *paths, *overrides]
     process = subprocess.Popen(
-        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        command,
+        cwd=REPO,
+        env=env | (extra_env or {}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     return process, srun_log, tmp_path / "scontrol.log"
 
@@ -138,79 +171,128 @@ def wait_for_srun(process: subprocess.Popen, srun_log: Path) -> None:
         time.sleep(0.2)
 
 
-def test_sbatch_passes_usr1_on_and_requeues_when_the_run_stopped(tmp_path):
-    process, srun_log, scontrol_log = start_sbatch(tmp_path, [f"output_dir={tmp_path / 'run'}"])
+def requeued(scontrol_log: Path, job_id: str = "77") -> bool:
+    return f"requeue {job_id}" in scontrol_log.read_text().splitlines()
+
+
+# the recorded 1-node job has 4 GPUs: the tiny config's global batch of 8 is a micro-batch of 2 there
+FOUR_GPUS = ["train.micro_batch_size=2"]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGUSR1, signal.SIGTERM], ids=lambda s: s.name)
+def test_sbatch_passes_the_stop_on_and_requeues_from_the_runs_marker(tiny_default, tmp_path, sig):
+    """USR1 (--signal=B:USR1@<lead>) or TERM (scancel --signal=TERM --batch) reaches the batch shell: it
+    passes it on to the step, and requeues because the run wrote its stop marker, although the step's exit status is
+    one that srun made up (137: --kill-on-bad-exit ended a task)."""
+    process, srun_log, scontrol_log = start_sbatch(tmp_path, tiny_default, FOUR_GPUS, exit_on_signal=137)
     wait_for_srun(process, srun_log)
-    process.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@120 delivers before the time limit
+    process.send_signal(sig)
     output, _ = process.communicate(timeout=30)
     assert process.returncode == 0, output
-    assert (tmp_path / "signals.log").read_text() == "USR1\n"  # the step got it, once
-    assert "requeue 77" in scontrol_log.read_text().splitlines()  # after the step ended with 75
-    assert "the run stopped with a checkpoint; requeueing" in output
-    # the recorded job has 1 node x 4 GPUs; the tiny config's micro-batch is 8
+    # TERM goes to the step's processes through scancel, never to srun (srun kills its step on TERM)
+    assert (tmp_path / "scancel.log").exists() == (sig == signal.SIGTERM)
     assert (
-        "global batch 32: micro-batch 8 x 1 accumulation steps x 4 ranks; set train.global_batch_size"
-        in output
-    )
+        tmp_path / "signals.log"
+    ).read_text() == f"{sig.name.removeprefix('SIG')}\n"  # the step got it, once
+    assert requeued(scontrol_log)
+    assert 'the run stopped with a checkpoint ({"step": 5}); requeueing, it resumes there' in output
+    assert "global batch 8: micro-batch 2 x 1 accumulation steps x 4 ranks\n" in output
+    # the batch shell's lines are also in the run directory
+    assert "requeueing" in (tmp_path / "run" / "slurm" / "batch-77.log").read_text()
     srun_args = srun_log.read_text().splitlines()
-    assert srun_args[:3] == ["--kill-on-bad-exit=1", "--nodes=1", "--ntasks-per-node=1"]
-    assert srun_args[-4:] == [
-        "--config",
-        "configs/tiny-dflash2.yaml",
-        f"output_dir={tmp_path / 'run'}",
-        "backend=fsdp",
+    # --cpus-per-task passed explicitly (srun does not inherit it from sbatch since Slurm 22.05), and
+    # the step's output per node under the run directory, per job and restart
+    assert srun_args[:5] == [
+        "--kill-on-bad-exit=1",
+        "--nodes=1",
+        "--ntasks-per-node=1",
+        "--cpus-per-task=32",
+        f"--output={tmp_path / 'run' / 'slurm' / '77.0' / 'node%n.out'}",
     ]
+    assert srun_args[-3:] == [f"output_dir={tmp_path / 'run'}", *FOUR_GPUS, "backend=fsdp"]
 
 
-def test_sbatch_requeues_on_the_exit_code_alone_and_never_after_a_failure(tmp_path):
-    # stopped by a signal that did not come through the batch shell (scancel, preemption): requeued
-    for name in ("a", "b", "c"):
+def test_sbatch_requeues_on_the_marker_alone_and_never_after_a_failure(tiny_default, tmp_path):
+    for name in ("a", "b", "c", "d"):
         (tmp_path / name).mkdir()
-    stopped, _, scontrol_log = start_sbatch(tmp_path / "a", [], alone=f"exit {EXIT_STOPPED}")
+    # stopped by a signal that did not come through the batch shell (scancel --signal to the step):
+    # the marker alone decides
+    stopped, _, scontrol_log = start_sbatch(
+        tmp_path / "a",
+        tiny_default,
+        FOUR_GPUS,
+        alone=f"echo '{{\"step\": 3}}' > {tmp_path / 'a' / 'run' / STOP_MARKER}",
+    )
     assert stopped.communicate(timeout=60) and stopped.returncode == 0
-    assert "requeue 77" in scontrol_log.read_text().splitlines()
-    # the run failed while stopping: the job fails, it is not requeued over and over
-    failed, srun_log, scontrol_log = start_sbatch(tmp_path / "b", [], on_usr1=1)
+    assert requeued(scontrol_log)
+    # the run failed while stopping (no marker): the job fails, it is not requeued over and over,
+    # even with exit status 75
+    failed, srun_log, scontrol_log = start_sbatch(
+        tmp_path / "b", tiny_default, FOUR_GPUS, exit_on_signal=EXIT_STOPPED, writes_marker=False
+    )
     wait_for_srun(failed, srun_log)
     failed.send_signal(signal.SIGUSR1)
     output, _ = failed.communicate(timeout=30)
-    assert failed.returncode == 1, output
+    assert failed.returncode == EXIT_STOPPED and "no stop marker: not requeued" in output, output
     assert not any(line.startswith("requeue") for line in scontrol_log.read_text().splitlines())
-    # after USR1, a step ended by a signal (srun killing the tasks of other nodes still exiting once
-    # the first exited with 75) was stopped too: requeued
-    killed, srun_log, scontrol_log = start_sbatch(tmp_path / "c", [], on_usr1=128 + signal.SIGKILL)
-    wait_for_srun(killed, srun_log)
-    killed.send_signal(signal.SIGUSR1)
-    assert killed.communicate(timeout=30) and killed.returncode == 0
-    assert "requeue 77" in scontrol_log.read_text().splitlines()
-
-
-def test_sbatch_refuses_a_config_that_cannot_resume(tmp_path):
-    process, srun_log, _ = start_sbatch(tmp_path, ["train.resume=none"])
-    output, _ = process.communicate(timeout=60)
-    assert process.returncode != 0 and "train.resume='none'" in output
-    assert not srun_log.exists()
-
-
-def test_sbatch_derives_accumulation_from_the_global_batch_or_refuses_it(tmp_path):
-    """train.global_batch_size on the recorded 4-GPU job: 32 with micro-batch 2 is 4 accumulation
-    steps (so a requeue onto another number of GPUs keeps the batch); 12 cannot be split, refused
-    before srun."""
-    process, srun_log, _ = start_sbatch(tmp_path, ["train.micro_batch_size=2", "train.global_batch_size=12"])
-    output, _ = process.communicate(timeout=60)
-    assert process.returncode != 0 and not srun_log.exists()
-    assert "train.global_batch_size=12 is not a multiple of micro_batch_size 2 x 4" in output
-    assert "(this job has 4 GPUs)" in output
-    process, srun_log, _ = start_sbatch(tmp_path, ["train.micro_batch_size=2", "train.global_batch_size=32"])
-    deadline = time.monotonic() + 60
-    while not srun_log.exists():
-        assert process.poll() is None and time.monotonic() < deadline, process.communicate()[0]
-        time.sleep(0.2)
-    process.send_signal(signal.SIGUSR1)  # ends the stub step as a requeue does
-    assert (
-        "global batch 32: micro-batch 2 x 4 accumulation steps x 4 ranks\n"
-        in process.communicate(timeout=30)[0]
+    # a marker left by an earlier start does not requeue this one
+    (tmp_path / "c" / "run").mkdir()
+    (tmp_path / "c" / "run" / STOP_MARKER).write_text('{"step": 2}\n')
+    done, _, scontrol_log = start_sbatch(tmp_path / "c", tiny_default, FOUR_GPUS, alone="exit 0")
+    assert done.communicate(timeout=60) and done.returncode == 0
+    assert not requeued(scontrol_log)
+    # a job SLURM reports cancelled (a plain scancel) is not requeued, though the run checkpointed
+    cancelled, srun_log, scontrol_log = start_sbatch(
+        tmp_path / "d", tiny_default, FOUR_GPUS, job_state="CANCELLED"
     )
+    wait_for_srun(cancelled, srun_log)
+    cancelled.send_signal(signal.SIGTERM)
+    output, _ = cancelled.communicate(timeout=30)
+    assert cancelled.returncode == 0 and "the job was cancelled: not requeued" in output, output
+    assert not requeued(scontrol_log)
+
+
+def test_sbatch_preflight_refuses_what_the_trainer_would_with_one_message(tiny_default, tmp_path):
+    """The pre-flight runs the trainer's checks before srun: exit 2, one message, no traceback."""
+    cases = {
+        "resume": (["train.resume=none"], "train.resume='none': a requeued SLURM job resumes only with train.resume=auto"),
+        "typo": (["train.max_step=5"], "train.max_step: Extra inputs are not permitted; did you mean train.max_steps?"),
+        "target": (["model.target=/nowhere/target"], "model.target='/nowhere/target' does not exist"),
+        "batch": (["train.micro_batch_size=2", "train.global_batch_size=12"],
+                  "train.global_batch_size=12 is not a multiple of micro_batch_size 2 x 4 data-parallel ranks = 8"),
+    }  # fmt: skip
+    for name, (overrides, message) in cases.items():
+        (tmp_path / name).mkdir()
+        process, srun_log, _ = start_sbatch(tmp_path / name, tiny_default, overrides)
+        output, _ = process.communicate(timeout=60)
+        assert process.returncode == EXIT_USER_ERROR and not srun_log.exists(), (name, output)
+        assert output.count("error:") == 1 and message in output and "Traceback" not in output, output
+    assert "(this job has 4 GPUs)" in output
+
+
+def test_sbatch_derives_accumulation_from_the_global_batch_on_two_nodes(tiny_default, tmp_path):
+    """Node 0's batch shell of the recorded 2 x 8-GPU job: srun starts one task on each of the 2 nodes;
+    the global batch of 32 is 2 accumulation steps there. An exported GPUS_PER_NODE does not override
+    the allocation, and the rendezvous port is one that was free on this node (not the job id's)."""
+    process, srun_log, _ = start_sbatch(
+        tmp_path,
+        tiny_default,
+        ["train.micro_batch_size=1", "train.global_batch_size=32"],
+        case="slurm_env_2x8.json",
+        extra_env={"GPUS_PER_NODE": "4", "SLURM_NODEID": "0", "SLURM_PROCID": "0"},
+    )
+    wait_for_srun(process, srun_log)
+    process.send_signal(signal.SIGUSR1)  # ends the stub step as a requeue does
+    output = process.communicate(timeout=30)[0]
+    assert "global batch 32: micro-batch 1 x 2 accumulation steps x 16 ranks\n" in output
+    assert "GPUS_PER_NODE=4 ignored: the allocation has 8 GPUs per node" in output
+    port = re.search(r"2 nodes x 8 GPUs, 32 CPUs per node, rendezvous gpu-017:(\d+)", output)
+    assert port and port.group(1) != "27203", output
+    assert srun_log.read_text().splitlines()[1:4] == [
+        "--nodes=2",
+        "--ntasks-per-node=1",
+        "--cpus-per-task=32",
+    ]
 
 
 def free_port() -> int:
@@ -258,29 +340,37 @@ def test_two_nodes_simulated_with_two_torchrun_agents(tiny_default, tmp_path):
     }
 
 
-# ------------------------------------------------------------------ a real single-node SLURM cluster
+# ------------------------------------------------------------------ a real two-node SLURM cluster
+# Debian's Slurm (22.05, bookworm) runs several slurmd on one host: each node gets its own NodeName,
+# Port, spool directory and pid file (%n), and `slurmd -N <name>` starts it. So the job below has two
+# real SLURM nodes on this machine, one torchrun agent each, meeting over the c10d rendezvous.
 
-SLURM_BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel")
+SLURM_BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo")
+NODES = ("dflash2n1", "dflash2n2")
 
 
-def slurm_conf(root: Path, host: str, ports: tuple[int, int]) -> str:
-    """One CPU node with one placeholder GPU (gres backed by /dev/null) so that SLURM itself sets
-    SLURM_GPUS_ON_NODE; proctrack/linuxproc and task/none need no cgroups."""
+def slurm_conf(root: Path, host: str, ctld_port: int, node_ports: list[int]) -> str:
+    """Two CPU nodes on this host, one placeholder GPU each (gres backed by /dev/null) so that SLURM
+    itself sets SLURM_GPUS_ON_NODE; proctrack/linuxproc and task/none need no cgroups."""
+    nodes = "\n".join(
+        f"NodeName={name} NodeHostname={host} NodeAddr=127.0.0.1 Port={port} CPUs={os.cpu_count()} "
+        "RealMemory=2000 Gres=gpu:1 State=UNKNOWN"
+        for name, port in zip(NODES, node_ports)
+    )
     return f"""ClusterName=dflash2test
 SlurmctldHost={host}(127.0.0.1)
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
-AuthInfo=socket={root}/munge.sock
+AuthInfo=socket={root}/munge.sock,cred_expire=10
 CredType=cred/munge
 StateSaveLocation={root}/state
-SlurmdSpoolDir={root}/spool
+SlurmdSpoolDir={root}/spool-%n
 SlurmctldPidFile={root}/slurmctld.pid
-SlurmdPidFile={root}/slurmd.pid
+SlurmdPidFile={root}/slurmd-%n.pid
 SlurmctldLogFile={root}/slurmctld.log
-SlurmdLogFile={root}/slurmd.log
-SlurmctldPort={ports[0]}
-SlurmdPort={ports[1]}
+SlurmdLogFile={root}/slurmd-%n.log
+SlurmctldPort={ctld_port}
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -292,7 +382,7 @@ SelectTypeParameters=CR_Core
 ReturnToService=2
 JobRequeue=1
 GresTypes=gpu
-NodeName={host} NodeAddr=127.0.0.1 CPUs={os.cpu_count()} RealMemory=2000 Gres=gpu:1 State=UNKNOWN
+{nodes}
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 """
 
@@ -309,7 +399,7 @@ def wait_for(predicate, timeout: float, what: str, interval: float = 1.0):
 
 @pytest.fixture
 def slurm_cluster(tmp_path_factory):
-    """munged + slurmctld + slurmd on this machine, configured under a temporary directory.
+    """munged + slurmctld + two slurmd on this machine, configured under a temporary directory.
     Needs the Debian packages slurmd, slurmctld, slurm-client and munge, and root."""
     import shutil
 
@@ -320,34 +410,38 @@ def slurm_cluster(tmp_path_factory):
         )
     root = tmp_path_factory.mktemp("slurm")
     root.chmod(0o700)
-    for name in ("state", "spool"):
-        (root / name).mkdir()
+    (root / "state").mkdir()
     (root / "munge.key").write_bytes(os.urandom(1024))
     (root / "munge.key").chmod(0o600)
     host = socket.gethostname()
-    (root / "slurm.conf").write_text(slurm_conf(root, host, (free_port(), free_port())))
+    (root / "slurm.conf").write_text(slurm_conf(root, host, free_port(), [free_port() for _ in NODES]))
     (root / "gres.conf").write_text("Name=gpu Count=1 File=/dev/null\n")
     env = os.environ | {"SLURM_CONF": str(root / "slurm.conf")}
     started = []
     try:
         munged = ["munged", "--force", f"--socket={root}/munge.sock", f"--key-file={root}/munge.key",
                   f"--pid-file={root}/munged.pid", f"--log-file={root}/munged.log", f"--seed-file={root}/munge.seed"]  # fmt: skip
-        for command, pid_file in (
+        daemons = [
             (munged, "munged.pid"),
             (["slurmctld", "-c", "-f", str(root / "slurm.conf")], "slurmctld.pid"),
-            (["slurmd", "-N", host, "-f", str(root / "slurm.conf")], "slurmd.pid"),
-        ):
+        ]
+        daemons += [
+            (["slurmd", "-N", name, "-f", str(root / "slurm.conf")], f"slurmd-{name}.pid") for name in NODES
+        ]
+        for command, pid_file in daemons:
             subprocess.run(command, env=env, check=True, capture_output=True)
             started.append(
                 int(wait_for(lambda p=root / pid_file: p.exists() and p.read_text().strip(), 20, pid_file))
             )
         wait_for(
             lambda: (
-                "idle"
-                in subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True, text=True).stdout
+                subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], env=env, capture_output=True, text=True)
+                .stdout.split()
+                .count("idle")
+                == len(NODES)
             ),
             30,
-            "the node to become idle",
+            "both nodes to become idle",
         )
         yield env
     finally:
@@ -363,53 +457,72 @@ def job_state(env: dict, job_id: str) -> str:
     return next((field.split("=", 1)[1] for field in out.split() if field.startswith("JobState=")), "")
 
 
-def test_sbatch_on_real_slurm_checkpoints_on_usr1_requeues_and_loses_no_step(
+def start_requeued(env: dict, job_id: str, run_dir: Path) -> int:
+    """Wait for the job to requeue itself; the step its stop marker names (read before the next
+    start removes it). SLURM holds a requeued job until the credentials of its last start expire
+    (cred_expire, 10 s here, 120 s by default); starting it earlier is refused ("credential revoked")."""
+    wait_for(lambda: job_state(env, job_id) == "PENDING", 120, "the requeue", interval=0.2)
+    return json.loads((run_dir / STOP_MARKER).read_text())["step"]
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    return [m["step"] for m in metrics(run_dir)] if path.is_file() and path.read_text().endswith("\n") else []
+
+
+def test_sbatch_on_two_real_slurm_nodes_stops_on_usr1_and_term_requeues_itself_and_resumes_exactly(
     slurm_cluster, tiny_default, tmp_path
 ):
-    """fsdp.sbatch under a real slurmctld/slurmd receives USR1 (what --signal=B:USR1@120 sends before
-    the time limit) while it trains: the batch shell passes it on, the run checkpoints the step it is
-    at and exits 75, the job requeues itself, resumes at that step, and ends bitwise equal to an
-    uninterrupted run of the same config."""
+    """fsdp.sbatch on 2 SLURM nodes x 1 placeholder GPU, the tiny config's own global batch (8 = 2
+    ranks x micro-batch 4). (1) USR1 to the batch shell, what --signal=B:USR1@<lead> sends before the
+    time limit: passed on to the step, the run checkpoints the step it is at and writes its stop
+    marker, the job requeues itself. (2) After the resume, TERM to the batch shell: it sends TERM to
+    every process of the step (not to srun, which would kill its step): the same. (3) The third start finishes; every step trained once, the losses
+    and the final draft bitwise equal to an uninterrupted 2-rank run."""
     env = slurm_cluster | {"PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
     run_dir, reference, log = tmp_path / "run", tmp_path / "reference", tmp_path / "job.out"
-    steps = 60
+    steps = 30
     overrides = [
         f"model.target={tiny_default.target_dir}", f"data.train={tiny_subset(tiny_default, tmp_path, 64)}",
-        f"train.max_steps={steps}", "train.save_every=0", "train.export=false", "train.micro_batch_size=2",
-        "train.progress_bar=false", "train.log_every=1",
+        "data.max_length=96", "objective.num_anchors=8", "train.micro_batch_size=4", f"train.max_steps={steps}",
+        "train.save_every=0", "train.export=false", "train.progress_bar=false", "train.log_every=1",
     ]  # fmt: skip
     submit = [
-        "sbatch", "--parsable", "--nodes=1", "--gpus-per-node=1", f"--cpus-per-task={os.cpu_count()}",
+        "sbatch", "--parsable", "--nodes=2", "--gpus-per-node=1", f"--cpus-per-task={os.cpu_count()}",
         f"--output={log}", "launch/slurm/fsdp.sbatch", "configs/tiny-dflash2.yaml", *overrides,
         f"output_dir={run_dir}",
     ]  # fmt: skip
     job_id = subprocess.run(
         submit, cwd=REPO, env=env, check=True, capture_output=True, text=True
     ).stdout.strip()
-    wait_for(lambda: logged_lines(run_dir) >= 3, 240, "three training steps")
+    wait_for(lambda: len(logged_steps(run_dir)) >= 2, 240, "two training steps", interval=0.2)
     subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=env, check=True)
-    wait_for(lambda: job_state(env, job_id) == "PENDING", 120, "the requeue")
-    # SLURM delays a requeued job's start (about two minutes); start it now
-    subprocess.run(["scontrol", "update", f"jobid={job_id}", "StartTime=now"], env=env, check=True)
+    first_stop = start_requeued(env, job_id, run_dir)
+    wait_for(lambda: len(logged_steps(run_dir)) >= first_stop + 2, 240, "two resumed steps", interval=0.2)
+    subprocess.run(["scancel", "--signal=TERM", "--batch", job_id], env=env, check=True)
+    second_stop = start_requeued(env, job_id, run_dir)
     state = wait_for(
         lambda: job_state(env, job_id) in ("COMPLETED", "FAILED") and job_state(env, job_id), 300, "the job"
     )
-    output = log.read_text()
-    assert state == "COMPLETED", output[-4000:]
-    assert f"job {job_id} (restart 0)" in output and f"job {job_id} (restart 1)" in output
-    stopped = re.findall(rf"stopped on a SIGUSR1 after step (\d+) of {steps}", output)
-    assert len(stopped) == 1 and "the run stopped with a checkpoint; requeueing" in output, output[-4000:]
-    resumed = re.findall(r"resumed from \S+/checkpoints/step_(\d{8}) at step (\d+)$", output, re.MULTILINE)
-    assert resumed == [(f"{int(stopped[0]):08d}", stopped[0])]  # where it stopped: no step lost
-    check_ok(launch_train(1, [*overrides, "backend=fsdp", f"output_dir={reference}"]))
-    assert [m["step"] for m in metrics(run_dir)] == list(range(1, steps + 1))
+    batch = log.read_text()
+    assert state == "COMPLETED", batch[-4000:]
+    assert [f"(restart {n}) 2 nodes x 1 GPUs" in batch for n in range(3)] == [True] * 3, batch[-4000:]
+    assert batch.count("the run stopped with a checkpoint") == 2 and batch.count("requeueing") == 2
+    # each node's own log, per start (the rendezvous decides which node holds rank 0)
+    logs = [
+        [(run_dir / "slurm" / f"{job_id}.{n}" / f"node{i}.out").read_text() for i in (0, 1)] for n in range(3)
+    ]
+    starts = ["".join(pair) for pair in logs]
+    assert f"stopped on a SIGUSR1 after step {first_stop} of {steps}" in starts[0], starts[0][-4000:]
+    assert f"stopped on a SIGTERM after step {second_stop} of {steps}" in starts[1], starts[1][-4000:]
+    for text, stopped in ((starts[1], first_stop), (starts[2], second_stop)):  # resumed where it stopped
+        resumed = re.findall(r"resumed from \S+/checkpoints/step_(\d{8}) at step (\d+)$", text, re.MULTILINE)
+        assert resumed == [(f"{stopped:08d}", str(stopped))], text[-4000:]
+    assert all("holds" in log for pair in logs for log in pair)  # both nodes ran a rank, every start
+    check_ok(launch_train(2, [*overrides, "backend=fsdp", f"output_dir={reference}"]))
+    assert logged_steps(run_dir) == list(range(1, steps + 1))
     assert [m["loss"] for m in metrics(run_dir)] == [m["loss"] for m in metrics(reference)]
     got, expected = (
         load_file(d / "checkpoints" / f"step_{steps:08d}" / "draft.safetensors") for d in (run_dir, reference)
     )
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
-
-
-def logged_lines(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    return path.read_text().count("\n") if path.is_file() else 0

@@ -37,6 +37,7 @@ LAYERS = {
     "dflash2.target_state": 4,
     "dflash2.train_log": 4,
     "dflash2.train": 5,
+    "dflash2.decode": 5,
     "dflash2.run": 6,
     "dflash2.evaluate": 6,
     "dflash2.plan": 6,

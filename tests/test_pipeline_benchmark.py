@@ -29,6 +29,7 @@ def bench(tiny_default, tmp_path_factory) -> tuple[dict, Path, str]:
         "data.max_length=96",
         "objective.num_anchors=8",
         "train.micro_batch_size=2",
+        "train.global_batch_size=null",  # the accumulation steps of the overrides, on any number of ranks
         "train.grad_accum_steps=2",
         "train.progress_bar=false",
         "backend=fsdp",

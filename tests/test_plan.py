@@ -4,6 +4,7 @@ estimate against the tensors a real CPU step saves for backward, and the 27B rec
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash2.config import load_run_config
 from dflash2.data.tiny_default import TARGET_DIMS
+from dflash2.errors import EXIT_DOES_NOT_FIT, EXIT_USER_ERROR, run_main
 from dflash2.models import TargetHead, build_draft
 from dflash2.objective import ObjectiveConfig, compute_objective
 from dflash2.plan import (
@@ -24,12 +26,15 @@ from dflash2.plan import (
     meta_models,
     plan_run,
 )
+from tests.run_helpers import check_ok, launch_train, tiny_subset
 
 TINY = "configs/tiny-dflash2.yaml"
 TINY_DRAFT = "configs/draft/tiny-dflash2.json"
 ZERO3_RECIPE = "configs/recipes/qwen3.6-27b-dflash2-8gpu-zero3.yaml"
 DISAGG_RECIPE = "configs/recipes/qwen3.6-27b-dflash2-2gpu-disaggregated.yaml"
 TARGET_27B = "configs/target/qwen3.6-27b.json"
+# the tiny config's micro-batch of 8 on any number of ranks (its global batch of 8 fits one rank)
+PER_RANK_BATCH = "train.global_batch_size=null"
 
 
 def numel(module: torch.nn.Module) -> int:
@@ -62,7 +67,7 @@ def test_meta_counts_equal_real_models(tiny_target_config):
 
 @pytest.mark.parametrize("backend", ["deepspeed", "fsdp"])
 def test_colocated_shards_divide_over_world(tiny_target_config, backend):
-    cfg = load_run_config(TINY, [f"backend={backend}"])
+    cfg = load_run_config(TINY, [f"backend={backend}", PER_RANK_BATCH])
     (role,) = plan_run(cfg, world_size=4, target_config=tiny_target_config).roles
     draft_total = numel(build_draft(TINY_DRAFT))
     target_total = numel(Qwen3ForCausalLM(tiny_target_config))
@@ -75,7 +80,7 @@ def test_colocated_shards_divide_over_world(tiny_target_config, backend):
 
 
 def test_bf16_zero3_keeps_fp32_master_and_offload_moves_state_to_cpu(tiny_target_config):
-    cfg = load_run_config(TINY, ["precision=bf16", "ds_config=ds_configs/zero3_offload.json"])
+    cfg = load_run_config(TINY, ["precision=bf16", "ds_config=ds_configs/zero3_offload.json", PER_RANK_BATCH])
     (role,) = plan_run(cfg, world_size=2, target_config=tiny_target_config).roles
     draft_total = numel(build_draft(TINY_DRAFT))
     assert item(role, "draft parameters") == pytest.approx(draft_total * 2 / 2)  # bf16 partition
@@ -90,7 +95,7 @@ def test_bf16_zero3_keeps_fp32_master_and_offload_moves_state_to_cpu(tiny_target
 
 
 def test_disaggregated_target_only_on_capture_ranks(tiny_target_config):
-    cfg = load_run_config(TINY, ["backend=fsdp", "topology=disaggregated", "capture_ranks=1"])
+    cfg = load_run_config(TINY, ["backend=fsdp", "topology=disaggregated", "capture_ranks=1", PER_RANK_BATCH])
     capture, trainer = plan_run(cfg, world_size=3, target_config=tiny_target_config).roles
     assert (capture.role, capture.num_ranks, trainer.role, trainer.num_ranks) == ("capture", 1, "trainer", 2)
     target_total = numel(Qwen3ForCausalLM(tiny_target_config))
@@ -183,3 +188,46 @@ def test_cli_prints_plan_and_warns_on_small_devices(capsys):
     main([*args, "--device-gb", "24", "train.micro_batch_size=2"])
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "WARNING: colocated ranks need" in out
+
+
+def test_cli_exit_codes_gate_a_launch(capsys):
+    """0: fits; 3 (EXIT_DOES_NOT_FIT): a role needs more than --device-gb; 2: a global batch the
+    data-parallel ranks cannot split (30 sequences on 8 ranks), one message, before any model is built."""
+    args = [ZERO3_RECIPE, "--world-size", "8", "--target-config", TARGET_27B]
+    assert main([*args, "--device-gb", "80"]) == 0
+    assert "global batch 32: micro-batch 1 x 4 accumulation steps x 8 ranks" in capsys.readouterr().out
+    assert main([*args, "--device-gb", "24"]) == EXIT_DOES_NOT_FIT == 3
+    assert "DOES NOT FIT" in capsys.readouterr().out
+    assert run_main(main, [*args, "train.global_batch_size=30"]) == EXIT_USER_ERROR
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("error:") == 1
+    assert "train.global_batch_size=30 is not a multiple of micro_batch_size 1 x 8" in captured.err
+    assert "(--world-size 8)" in captured.err
+    # 2 nodes x 8 GPUs: the recipe's 32 sequences are 2 accumulation steps
+    assert main([ZERO3_RECIPE, "--world-size", "16", "--target-config", TARGET_27B]) == 0
+    assert "global batch 32: micro-batch 1 x 2 accumulation steps x 16 ranks" in capsys.readouterr().out
+
+
+def test_checkpoint_size_is_what_a_checkpoint_holds_and_its_write_time_follows_the_bandwidth(
+    capsys, tmp_path, tiny_default
+):
+    """The planned size against the files of a real one-rank checkpoint of the tiny draft (fp32 draft
+    weights, plus the backend's fp32 weights and AdamW moments); the write time is size / bandwidth."""
+    overrides = [f"model.target={tiny_default.target_dir}", f"data.train={tiny_subset(tiny_default, tmp_path, 16)}",
+                 "backend=fsdp", "train.max_steps=1", "train.export=false", "train.progress_bar=false",
+                 f"output_dir={tmp_path / 'run'}"]  # fmt: skip
+    check_ok(launch_train(1, overrides))
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000001"
+    written = sum(f.stat().st_size for f in [checkpoint / "draft.safetensors", *checkpoint.glob("backend/*")])
+    cfg = load_run_config(TINY, overrides)
+    planned = plan_run(cfg, world_size=1, target_config=load_target_config(tiny_default.target_dir))
+    assert planned.checkpoint_bytes <= written <= 1.02 * planned.checkpoint_bytes  # + headers, metadata
+    recipe = plan_run(
+        load_run_config(ZERO3_RECIPE), world_size=8, target_config=load_target_config(TARGET_27B)
+    )
+    assert main([ZERO3_RECIPE, "--target-config", TARGET_27B, "--write-gb-per-s", "2"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("checkpoint:"))
+    size = recipe.checkpoint_bytes / 1e9  # 1.924 B parameters x 16 bytes
+    assert (
+        f"checkpoint: {size:.3g} GB" in line and f"about {math.ceil(size / 2)} s to write at 2 GB/s" in line
+    )

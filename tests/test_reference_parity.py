@@ -16,7 +16,7 @@ import dflash.model as dflash_ref  # noqa: E402  (requirements-nodeps.txt)
 import pytest
 import torch
 
-from dflash2 import evaluate as ev
+from dflash2 import decode
 from dflash2.models import TargetHead
 from dflash2.models.config import to_qwen3_config
 from tests.draft_helpers import HIDDEN, VOCAB, random_draft, random_features, random_head
@@ -138,7 +138,7 @@ def test_cached_decoding_matches_reference_decoding_loop(architecture):
 
     draft.decode_block, ref.forward = record_ours, record_reference
     with torch.no_grad():
-        result = ev.speculative_generate(draft, target, head, PROMPT, max_new_tokens=40)
+        result = decode.speculative_generate(draft, target, head, PROMPT, max_new_tokens=40)
         ref_ids = dflash_ref.dflash_generate(ref, target, torch.tensor([PROMPT]), 40, None)
     assert ref_ids[0, len(PROMPT) :].tolist() == result.output_ids
     whole_blocks = [i for i, h in enumerate(ref_hidden) if h.shape[0] == draft.block_size - 1]

@@ -200,3 +200,33 @@ def test_stop_ids_are_what_the_server_stops_on(tiny_tokenizer):
     assert stop_token_ids(tiny_tokenizer) == [2]
     assert stop_token_ids(tiny_tokenizer, target) == [0, 2, 5]
     assert LocalTargetGenerator(target, tiny_tokenizer, max_new_tokens=4).stop_ids == {0, 2, 5}
+
+
+def test_local_regeneration_keeps_the_generated_ids_and_answers_prompt_only_records(
+    tiny_default, tiny_tokenizer, tmp_path
+):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_default.target_dir).eval()
+    rows = [
+        {"id": row["id"], "conversations": row["conversations"][:1]}
+        for row in _conversations(tiny_default, 4)[1:]
+    ]
+    assert all(row["conversations"][0]["role"] == "user" for row in rows)  # prompt-only records
+    output = tmp_path / "regen.jsonl"
+    regenerate_file(
+        _write_jsonl(tmp_path / "in.jsonl", rows), output, LocalTargetGenerator(model, tiny_tokenizer, 24), 2
+    )
+
+    for row, new in zip(rows, _read_jsonl(output), strict=True):
+        user, reply = new["conversations"]
+        assert user == row["conversations"][0] and reply["role"] == "assistant"
+        # Reference: one unpadded greedy generate, cut before the first stop token (eos = <|im_end|>).
+        prompt = tiny_tokenizer.apply_chat_template([user], tokenize=False, add_generation_prompt=True)
+        prompt_ids = tiny_tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            generated = model.generate(torch.tensor([prompt_ids]), max_new_tokens=24, do_sample=False)
+        expected = generated[0, len(prompt_ids) :].tolist()
+        if tiny_tokenizer.eos_token_id in expected:
+            expected = expected[: expected.index(tiny_tokenizer.eos_token_id)]
+        assert reply["token_ids"] == expected and reply["content"] == tiny_tokenizer.decode(expected)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from dflash2.config import load_run_config
 
@@ -67,3 +68,59 @@ def test_global_batch_size_decides_the_accumulation_steps_for_the_ranks():
     assert unset.with_batch_layout(4).train.grad_accum_steps == 5  # without it, the config's value
     disaggregated = cfg.model_copy(update={"topology": "disaggregated", "capture_ranks": 2})
     assert disaggregated.data_parallel_size(6) == 4 and cfg.data_parallel_size(6) == 6
+
+
+@pytest.mark.parametrize(
+    "override, suggestion",
+    [
+        ("train.max_step=5", "train.max_step: Extra inputs are not permitted; did you mean train.max_steps?"),
+        ("objective.num_anchor=8", "did you mean objective.num_anchors?"),
+        ("trian.max_steps=5", "trian: Extra inputs are not permitted; did you mean train?"),
+        ("outputdir=runs/x", "did you mean output_dir?"),
+    ],
+)
+def test_unknown_keys_suggest_the_nearest_valid_key(override, suggestion, tmp_path):
+    with pytest.raises(ValueError) as err:
+        load_run_config(ROOT / "configs/tiny-dflash2.yaml", [override])
+    assert suggestion in str(err.value)
+    # the same key written in the YAML file
+    key, value = override.split("=")
+    tree = yaml.safe_load((ROOT / "configs/tiny-dflash2.yaml").read_text())
+    *sections, leaf = key.split(".")
+    node = tree
+    for section in sections:
+        node = node.setdefault(section, {})
+    node[leaf] = yaml.safe_load(value)
+    (tmp_path / "typo.yaml").write_text(yaml.safe_dump(tree))
+    with pytest.raises(ValueError) as err:
+        load_run_config(tmp_path / "typo.yaml")
+    assert suggestion in str(err.value)
+
+
+def test_a_key_far_from_every_valid_one_gets_no_suggestion():
+    with pytest.raises(ValueError) as err:
+        load_run_config(ROOT / "configs/tiny-dflash2.yaml", ["train.zzzqqq=1"])
+    assert str(err.value).endswith("train.zzzqqq: Extra inputs are not permitted")
+
+
+SHIPPED = sorted([*ROOT.glob("configs/*.yaml"), *ROOT.glob("configs/recipes/*.yaml")])
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_config_fixes_its_global_batch(path):
+    """The global batch, not the accumulation steps, is what a shipped config sets: a run resumed on
+    another number of GPUs (a SLURM requeue onto fewer nodes) continues with the same batch."""
+    cfg = load_run_config(path)
+    assert cfg.train.global_batch_size is not None
+    assert "grad_accum_steps" not in path.read_text()  # ignored once the global batch is set
+
+
+def test_the_8gpu_recipe_runs_its_documented_batch_on_one_or_two_nodes():
+    cfg = load_run_config(ROOT / "configs/recipes/qwen3.6-27b-dflash2-8gpu-zero3.yaml")
+    for ranks, accumulation in ((8, 4), (16, 2)):  # one node, and the 2-node sbatch of launch/slurm
+        train = cfg.with_batch_layout(ranks).train
+        assert (train.grad_accum_steps, train.micro_batch_size * train.grad_accum_steps * ranks) == (
+            accumulation,
+            32,
+        )
+    assert "32 sequences" in (ROOT / "configs/recipes/qwen3.6-27b-dflash2-8gpu-zero3.yaml").read_text()

@@ -98,3 +98,64 @@ def test_gate_fails_when_nothing_is_learned(tiny_default, tmp_path):
 def test_gate_refuses_bad_sample_counts(tiny_default, num_samples):
     with pytest.raises(ValueError, match="--num-samples must be between 1 and 10"):
         select_samples(tiny_default.train_jsonl, num_samples)
+
+
+def test_gate_passes_on_a_random_initialised_hybrid_vlm(tiny_default, tmp_path):
+    """A random Qwen3_5ForConditionalGeneration's greedy reply is not the canonical tokenisation of
+    its own text; the gate trains on the ids the target generated, so it still passes."""
+    from transformers import AutoTokenizer
+
+    from dflash2.data.regenerate import LocalTargetGenerator
+    from dflash2.data.render import encode_prompt
+    from tests.target_families import family_draft_config, save_family
+
+    target_dir = save_family("qwen3_5_vlm", tmp_path / "target", tiny_default.target_dir)
+    draft_config = tmp_path / "draft.json"
+    draft_config.write_text(json.dumps(family_draft_config()))
+    sample = select_samples(tiny_default.train_jsonl, 1)[0]
+    # The premise: the reply text of this target does not re-tokenise to the ids it generated.
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    reply = LocalTargetGenerator(target, tokenizer, max_new_tokens=48).generate(
+        [sample["conversations"][:1]]
+    )[0]
+    assert tokenizer(reply.text, add_special_tokens=False)["input_ids"] != reply.token_ids
+    assert reply.token_ids == target_greedy_ids(
+        target, encode_prompt(sample["conversations"][:1], tokenizer), 48
+    )
+
+    out = tmp_path / "result.json"
+    command = [
+        sys.executable,
+        "-m",
+        "dflash2.serving_gate",
+        "--config",
+        str(REPO_ROOT / "configs/tiny-dflash2.yaml"),
+    ]
+    command += ["--data", str(tiny_default.train_jsonl), "--out", str(out), "--max-new-tokens", "48"]
+    command += [
+        f"output_dir={tmp_path / 'run'}",
+        f"model.target={target_dir}",
+        f"model.draft_config={draft_config}",
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(command, cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=600)
+    result = json.loads(out.read_text())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert result["passed"] is True and result["errors"] == [] and result["warnings"] == []
+    assert result["spec_accept_length"] == 8
+    assert result["target_prefix_match_tokens"] == result["generated_tokens"] == 1 + 8 * ((48 - 1) // 8)
+
+
+def target_greedy_ids(target, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """Reference: a plain greedy loop, one full forward per token, no cache, up to the eos (2)."""
+    ids = list(prompt_ids)
+    with torch.no_grad():
+        for _ in range(max_new_tokens):
+            token = int(target(input_ids=torch.tensor([ids])).logits[0, -1].argmax())
+            if token == 2:
+                break
+            ids.append(token)
+    return ids[len(prompt_ids) :]

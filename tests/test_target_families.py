@@ -27,8 +27,8 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from dflash2 import decode, plan
 from dflash2 import evaluate as ev
-from dflash2 import plan
 from dflash2.capture import capture_layer_outputs
 from dflash2.capture.head import load_target_head
 from dflash2.fixtures.smollm2 import chat_prompt_ids
@@ -223,16 +223,16 @@ def test_greedy_speculative_decoding_is_the_targets_greedy_decoding(family_dir, 
     reference = plain_greedy(target, prompt, num_tokens + block_size)
 
     # a random draft: almost every proposal rejected
-    result = ev.speculative_generate(draft, target, head, prompt, max_new_tokens=num_tokens)
+    result = decode.speculative_generate(draft, target, head, prompt, max_new_tokens=num_tokens)
     assert result.output_ids == reference[:num_tokens]
-    assert ev.target_generate(target, prompt, max_new_tokens=num_tokens) == reference[:num_tokens]
+    assert decode.target_generate(target, prompt, max_new_tokens=num_tokens) == reference[:num_tokens]
 
     # every number of accepted proposals in turn, the whole state checked after each step
     vocab_size = draft_config["vocab_size"]
-    monkeypatch.setattr(ev, "draft_block", corrupting_oracle(prompt + reference, block_size, vocab_size))
-    monkeypatch.setattr(ev, "TargetState", CheckedTargetState)
+    monkeypatch.setattr(decode, "draft_block", corrupting_oracle(prompt + reference, block_size, vocab_size))
+    monkeypatch.setattr(decode, "TargetState", CheckedTargetState)
     CheckedTargetState.num_checks = 0
-    result = ev.speculative_generate(draft, target, head, prompt, max_new_tokens=num_tokens)
+    result = decode.speculative_generate(draft, target, head, prompt, max_new_tokens=num_tokens)
     assert result.output_ids == reference[:num_tokens]
     assert result.acceptance_lengths[:block_size] == [1, 2, 3, 4]
     assert CheckedTargetState.num_checks == len(result.acceptance_lengths)
@@ -272,7 +272,8 @@ def test_crop_alone_is_not_a_rollback(family_dirs):
 
 
 def plan_output(capsys, *arguments: str) -> str:
-    assert plan.main([str(REPO / "configs" / "tiny-dflash2.yaml"), "--world-size", "2", *arguments]) == 0
+    config = str(REPO / "configs" / "tiny-dflash2.yaml")
+    assert plan.main([config, "--world-size", "2", "train.global_batch_size=16", *arguments]) == 0
     return capsys.readouterr().out
 
 

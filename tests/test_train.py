@@ -30,6 +30,7 @@ def common(tiny_default) -> list[str]:
         "train.weight_decay=0.01",  # two AdamW parameter groups under both backends, resumed exactly
         "train.warmup_steps=0",
         "train.max_steps=10",
+        "train.global_batch_size=null",  # the accumulation steps of the overrides, on any number of ranks
     ]
 
 

@@ -6,6 +6,12 @@ The contract's feature of layer id k is the OUTPUT of decoder layer k (0-based),
 decoder layers themselves, which also keeps only the K requested layers instead of all L + 1
 hidden states. Hooks see plain activations, so they work the same on an unsharded model, under
 ZeRO-3 and under FSDP2.
+
+The target's final-normed last hidden state (the input of its LM head, what `hidden_states[L]` is)
+is the teacher of the KL / TV loss terms: with `last_hidden=True` a hook on the decoder's final norm
+catches it too, and it travels as H more columns after the K*H feature columns, [b, S, (K+1)*H],
+through every feature source (online, offline, the disaggregated wire); `split_last_hidden` splits
+it off again.
 """
 
 from __future__ import annotations
@@ -26,8 +32,30 @@ class FeatureSource(Protocol):
     or FeatureReceiver (capture ranks)."""
 
     def batch(self, indices: list[int], seq_len: int) -> torch.Tensor:
-        """[b, seq_len, K*H] features of dataset samples `indices`."""
+        """[b, seq_len, K*H] features of dataset samples `indices` ([b, seq_len, (K+1)*H] when the
+        run needs the target's last hidden state)."""
         ...
+
+
+def final_norm(model: nn.Module) -> nn.Module:
+    """The text decoder's final norm: its output is the LM head's input."""
+    norm = getattr(model.get_decoder(), "norm", None)
+    if not isinstance(norm, nn.Module):
+        raise ValueError(
+            f"{type(model).__name__}'s text decoder has no final `norm` module, whose output the KL / TV "
+            "loss terms need; set objective.kl_weight=0 and objective.tv_weight=0 for this target"
+        )
+    return norm
+
+
+def split_last_hidden(
+    features: torch.Tensor, hidden_size: int, last_hidden: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[b, S, K*H (+H)] -> (features [b, S, K*H], the last hidden state [b, S, H] or None)."""
+    if not last_hidden:
+        return features, None
+    assert features.shape[-1] > hidden_size, "the features carry no last hidden state"
+    return features[..., :-hidden_size], features[..., -hidden_size:]
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -58,6 +86,10 @@ class LayerOutputs:
     def __init__(self, layer_ids: Sequence[int]) -> None:
         self.layer_ids = [int(i) for i in layer_ids]
         self.outputs: dict[int, torch.Tensor] = {}
+        self.last_hidden: torch.Tensor | None = None
+
+    def keep_last_hidden(self, module: nn.Module, args, output) -> None:
+        self.last_hidden = output
 
     def hook(self, layer_id: int):
         def keep(module: nn.Module, args, output) -> None:
@@ -67,21 +99,28 @@ class LayerOutputs:
         return keep
 
     def features(self) -> torch.Tensor:
-        """Outputs of layers `layer_ids`, concatenated in that order: [b, S, K*H]."""
+        """Outputs of layers `layer_ids`, concatenated in that order: [b, S, K*H], then the final-normed
+        last hidden state when it was caught: [b, S, (K+1)*H]."""
         missing = [i for i in self.layer_ids if i not in self.outputs]
         assert not missing, f"no forward reached decoder layers {missing} inside capture_layer_outputs"
-        return torch.cat([self.outputs[i] for i in self.layer_ids], dim=-1)
+        last = [] if self.last_hidden is None else [self.last_hidden]
+        return torch.cat([self.outputs[i] for i in self.layer_ids] + last, dim=-1)
 
 
 @contextmanager
-def capture_layer_outputs(model: nn.Module, layer_ids: Sequence[int]) -> Iterator[LayerOutputs]:
+def capture_layer_outputs(
+    model: nn.Module, layer_ids: Sequence[int], last_hidden: bool = False
+) -> Iterator[LayerOutputs]:
     """Inside the block, each forward of `model` leaves the outputs of decoder layers `layer_ids`
-    in the yielded LayerOutputs (`.features()` -> [b, S, K*H]). `model` is the module itself (a
-    DeepSpeed engine's `.module`); FSDP2-sharded models are passed as they are."""
+    (and, with `last_hidden`, of the final norm) in the yielded LayerOutputs (`.features()` ->
+    [b, S, K*H], or [b, S, (K+1)*H]). `model` is the module itself (a DeepSpeed engine's `.module`);
+    FSDP2-sharded models are passed as they are."""
     layers = decoder_layers(model)
     check_layer_ids(layer_ids, len(layers))
     captured = LayerOutputs(layer_ids)
     handles = [layers[i].register_forward_hook(captured.hook(i)) for i in sorted(set(captured.layer_ids))]
+    if last_hidden:
+        handles.append(final_norm(model).register_forward_hook(captured.keep_last_hidden))
     try:
         yield captured
     finally:
@@ -91,11 +130,11 @@ def capture_layer_outputs(model: nn.Module, layer_ids: Sequence[int]) -> Iterato
 
 @torch.no_grad()
 def target_features(
-    backend: Backend, target: nn.Module, batch: dict, layer_ids: Sequence[int]
+    backend: Backend, target: nn.Module, batch: dict, layer_ids: Sequence[int], last_hidden: bool = False
 ) -> torch.Tensor:
     """One forward of the frozen target over a collated batch -> features [b, S, K*H] (collective
-    over the target's group)."""
-    with capture_layer_outputs(backend.target_module(target), layer_ids) as captured:
+    over the target's group); with `last_hidden`, [b, S, (K+1)*H] (the final-normed state last)."""
+    with capture_layer_outputs(backend.target_module(target), layer_ids, last_hidden) as captured:
         backend.target_forward(target, batch["input_ids"], batch["attention_mask"])
     return captured.features()
 
@@ -107,8 +146,9 @@ def capture_samples(
     indices: list[int],
     layer_ids: Sequence[int],
     pad_token_id: int,
+    last_hidden: bool = False,
 ) -> torch.Tensor:
-    """Collate `dataset[indices]` and capture their features [b, S, K*H]. A rank with no samples in
-    this round still joins the collective forward, on a one-token padding batch."""
+    """Collate `dataset[indices]` and capture their features [b, S, K*H] (+H with `last_hidden`). A
+    rank with no samples in this round still joins the collective forward, on a one-token padding batch."""
     samples = [dataset[i] for i in indices] or [{"input_ids": [pad_token_id], "loss_mask": [0]}]
-    return target_features(backend, target, collate(samples, pad_token_id), layer_ids)
+    return target_features(backend, target, collate(samples, pad_token_id), layer_ids, last_hidden)

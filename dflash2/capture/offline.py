@@ -2,9 +2,13 @@
 
 Layout of a features directory:
   shard-RRRRR-NNNNN.safetensors   features of the samples rank R captured, one tensor [S_i, K*H] per
-                                  sample, named by the sample's index in the dataset
+                                  sample, named by the sample's index in the dataset, and the target's
+                                  final-normed last hidden state [S_i, H] (the LM head's input, the
+                                  teacher of the KL / TV terms), named "<index>.last_hidden"
   manifest.json                   identities of the target config, tokenizer and data, the layer ids,
-                                  the target dtype, max_length, and the shard and length of every sample
+                                  the target dtype, max_length, the shard and length of every sample,
+                                  and `last_hidden_dim` (H; absent in directories captured before the
+                                  last hidden state was stored: they serve the cross-entropy only)
 The manifest is written last, by rank 0, after every rank has closed its shards: a crash mid-capture
 leaves no manifest, and a directory without one is refused.
 """
@@ -21,7 +25,7 @@ import torch.distributed as dist
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from dflash2.capture.features import capture_samples
+from dflash2.capture.features import capture_samples, split_last_hidden
 from dflash2.config import RunConfig
 from dflash2.distributed import Backend
 from dflash2.identity import data_identity, target_identity, tokenizer_identity
@@ -49,7 +53,9 @@ def feature_identity(cfg: RunConfig, layer_ids: list[int]) -> dict:
 
 def draft_layer_ids(cfg: RunConfig, target_config) -> list[int]:
     """The draft's target_layer_ids (defaults filled in, checked against the target)."""
-    draft_config = check_draft_config(load_config_dict(cfg.model.draft_config), target_config=target_config)
+    draft_config = check_draft_config(
+        load_config_dict(cfg.model.draft_config), target_config=target_config, source=cfg.model.draft_config
+    )
     return [int(i) for i in draft_value(draft_config, "target_layer_ids")]
 
 
@@ -66,9 +72,10 @@ class _ShardWriter:
         self.sample_shard: dict[int, str] = {}  # sample index -> shard file name
         self.num_shards = 0
 
-    def add(self, index: int, features: torch.Tensor) -> None:
+    def add(self, index: int, features: torch.Tensor, last_hidden: torch.Tensor) -> None:
         self.buffer[str(index)] = features.contiguous()
-        self.buffered_bytes += features.numel() * features.element_size()
+        self.buffer[last_hidden_name(index)] = last_hidden.contiguous()
+        self.buffered_bytes += (features.numel() + last_hidden.numel()) * features.element_size()
         if self.buffered_bytes >= self.shard_bytes:
             self.flush()
 
@@ -77,8 +84,12 @@ class _ShardWriter:
             return
         name = f"shard-{self.rank:05d}-{self.num_shards:05d}.safetensors"
         save_file(self.buffer, str(self.out_dir / name))
-        self.sample_shard.update({int(index): name for index in self.buffer})
+        self.sample_shard.update({int(index): name for index in self.buffer if index.isdigit()})
         self.buffer, self.buffered_bytes, self.num_shards = {}, 0, self.num_shards + 1
+
+
+def last_hidden_name(index: int) -> str:
+    return f"{index}.last_hidden"
 
 
 def _capture_rounds(num_samples: int, rank: int, world_size: int, batch_size: int) -> list[list[int]]:
@@ -98,18 +109,22 @@ def capture_dataset(
     layer_ids: list[int],
     out_dir: Path,
     *,
+    hidden_size: int,
     pad_token_id: int,
     batch_size: int,
     shard_bytes: int,
 ) -> dict[int, str]:
-    """Capture this rank's share of `dataset` into shards under `out_dir`; returns sample -> shard name.
-    Collective over the target's group: every rank calls it with the same dataset."""
+    """Capture this rank's share of `dataset` (features and the last hidden state) into shards under
+    `out_dir`; returns sample -> shard name. Collective over the target's group: every rank calls it
+    with the same dataset."""
     writer = _ShardWriter(out_dir, backend.rank, shard_bytes)
     rounds = _capture_rounds(len(dataset), backend.rank, backend.world_size, batch_size)
     for indices in rounds:
-        features = capture_samples(backend, target, dataset, indices, layer_ids, pad_token_id).cpu()
+        captured = capture_samples(backend, target, dataset, indices, layer_ids, pad_token_id, True).cpu()
+        features, last_hidden = split_last_hidden(captured, hidden_size, True)
         for row, index in enumerate(indices):
-            writer.add(index, features[row, : len(dataset[index]["input_ids"])].clone())
+            length = len(dataset[index]["input_ids"])
+            writer.add(index, features[row, :length].clone(), last_hidden[row, :length].clone())
     writer.flush()
     return writer.sample_shard
 
@@ -163,6 +178,7 @@ def capture_to_dir(
         dataset,
         layer_ids,
         out_dir,
+        hidden_size=hidden_size,
         pad_token_id=pad_token_id,
         batch_size=batch_size,
         shard_bytes=shard_bytes,
@@ -172,7 +188,7 @@ def capture_to_dir(
     if backend.is_main:
         merged = {index: name for part in gathered for index, name in part.items()}
         lengths = [len(ids) for ids in dataset["input_ids"]]
-        meta = {"feature_dim": hidden_size * len(layer_ids)}
+        meta = {"feature_dim": hidden_size * len(layer_ids), "last_hidden_dim": hidden_size}
         write_manifest(out_dir, feature_identity(cfg, layer_ids), merged, lengths, meta)
         print(f"[dflash2] captured {len(lengths)} samples into {out_dir}", flush=True)
     backend.barrier()
@@ -194,10 +210,11 @@ class OfflineFeatures:
     """Features written by data_prep/capture.py, checked against the run that reads them.
 
     `expected` is `feature_identity(cfg, layer_ids)` of the current run; any difference is a
-    ValueError naming the field, both values and the fix.
+    ValueError naming the field, both values and the fix. With `last_hidden` (a run with a KL or TV
+    weight), `batch` appends the target's last hidden state: [b, S, K*H + H].
     """
 
-    def __init__(self, features_dir: str | Path, expected: dict) -> None:
+    def __init__(self, features_dir: str | Path, expected: dict, last_hidden: bool = False) -> None:
         self.features_dir = Path(features_dir)
         path = self.features_dir / MANIFEST
         if not path.is_file():
@@ -218,6 +235,14 @@ class OfflineFeatures:
         self._check_dtype(expected["dtype"])
         self.num_samples = int(self.manifest["num_samples"])
         self.feature_dim = int(self.manifest["feature_dim"])
+        self.last_hidden = last_hidden
+        if last_hidden and "last_hidden_dim" not in self.manifest:
+            raise ValueError(
+                f"data.features_dir={str(self.features_dir)!r} was captured without the target's last hidden "
+                "state, which objective.kl_weight / objective.tv_weight need (the teacher distribution); "
+                f"recapture: data_prep/capture.py --config <this run's config> --out {self.features_dir} "
+                "(or train these features with objective.kl_weight=0 and objective.tv_weight=0)"
+            )
         self._files: dict[int, object] = {}  # shard index -> open safetensors handle (memory-mapped)
 
     def _check_dtype(self, expected: str) -> None:
@@ -246,16 +271,20 @@ class OfflineFeatures:
         return self._files[shard]
 
     def sample(self, index: int) -> torch.Tensor:
-        """Features of sample `index`: [S_i, K*H]."""
+        """Features of sample `index`: [S_i, K*H] (then its last hidden state: [S_i, K*H + H] when
+        this reader was asked for it)."""
         if not 0 <= index < self.num_samples:
             raise ValueError(f"sample {index} is not in the features ({self.num_samples} samples captured)")
-        return self._shard(self.manifest["sample_shard"][index]).get_tensor(str(index))
+        shard = self._shard(self.manifest["sample_shard"][index])
+        features = shard.get_tensor(str(index))
+        if not self.last_hidden:
+            return features
+        return torch.cat([features, shard.get_tensor(last_hidden_name(index))], dim=-1)
 
     def batch(self, indices: list[int], seq_len: int) -> torch.Tensor:
-        """[b, seq_len, K*H]: the samples' features, right-padded with zeros."""
-        out = torch.zeros(
-            len(indices), seq_len, self.feature_dim, dtype=getattr(torch, self.manifest["dtype"])
-        )
+        """[b, seq_len, K*H] (or K*H + H, see the class): the samples' features, right-padded with zeros."""
+        width = self.feature_dim + (int(self.manifest["last_hidden_dim"]) if self.last_hidden else 0)
+        out = torch.zeros(len(indices), seq_len, width, dtype=getattr(torch, self.manifest["dtype"]))
         for row, index in enumerate(indices):
             features = self.sample(index)
             if features.shape[0] > seq_len:

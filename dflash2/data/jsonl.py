@@ -5,6 +5,13 @@ key `messages` is accepted in place of `conversations`. `id` is optional (defaul
 must be unique. Each malformed line raises `SampleError` with a short `code` (for the summary
 counts) and a message saying what is wrong; a line that is not UTF-8 is one malformed line, the
 others are read.
+
+A record without an assistant turn is a prompt (for regeneration, which appends the target's reply,
+and for evaluation); training needs a reply (`parse_sample(..., require_reply=True)`).
+
+An assistant turn may carry `token_ids`: the exact token ids the target generated for that reply
+(regeneration by a local target writes them; the end-of-turn token is not included). Training uses
+them in place of re-tokenising the reply's text.
 """
 
 from __future__ import annotations
@@ -57,8 +64,9 @@ def iter_lines(path: str | Path) -> Iterator[tuple[int, str | UndecodableLine]]:
             offset += len(raw)
 
 
-def parse_sample(line: str | UndecodableLine, line_number: int) -> Sample:
-    """Parse and validate one training_jsonl line; raises SampleError."""
+def parse_sample(line: str | UndecodableLine, line_number: int, require_reply: bool = False) -> Sample:
+    """Parse and validate one training_jsonl line; raises SampleError. `require_reply`: a record
+    without an assistant turn (a prompt) is an error (training)."""
     if isinstance(line, UndecodableLine):
         raise SampleError(
             "invalid_utf8",
@@ -75,24 +83,35 @@ def parse_sample(line: str | UndecodableLine, line_number: int) -> Sample:
     for turn_number, turn in enumerate(messages, start=1):
         _check_turn(turn, turn_number)
     if not any(turn["role"] == "assistant" for turn in messages):
-        raise SampleError("no_assistant_turn", "no assistant turn (nothing to train on)")
+        if require_reply:
+            raise SampleError("no_assistant_turn", "no assistant turn (nothing to train on)")
+        if messages[-1]["role"] != "user":
+            raise SampleError("no_user_turn", "no assistant turn and no user turn last: nothing to answer")
     sample_id = record.get("id", f"line-{line_number}")
     if not isinstance(sample_id, (str, int)) or isinstance(sample_id, bool):
         raise SampleError("bad_id", f"'id' must be a string or an integer, got {type(sample_id).__name__}")
-    messages = [{"role": turn["role"], "content": turn["content"]} for turn in messages]
+    messages = [_kept_fields(turn) for turn in messages]
     return Sample(line_number=line_number, id=str(sample_id), messages=messages)
 
 
 def prompt_turns(messages: list[dict[str, str]]) -> list[dict[str, str]]:
-    """The turns before the first assistant reply: the prompt a server receives. SampleError when the
-    conversation starts with a reply (parse_sample guarantees that it has one)."""
-    first_reply = next(i for i, turn in enumerate(messages) if turn["role"] == "assistant")
+    """The turns before the first assistant reply (all of them in a prompt-only record): the prompt a
+    server receives, as role and content. SampleError when the conversation starts with a reply."""
+    roles = [turn["role"] for turn in messages]
+    first_reply = roles.index("assistant") if "assistant" in roles else len(messages)
     if first_reply == 0:
         raise SampleError(
             "no_prompt",
             "the conversation starts with an assistant turn, so it has no prompt; put a user turn first",
         )
-    return messages[:first_reply]
+    return [{"role": turn["role"], "content": turn["content"]} for turn in messages[:first_reply]]
+
+
+def _kept_fields(turn: dict) -> dict:
+    kept = {"role": turn["role"], "content": turn["content"]}
+    if "token_ids" in turn:
+        kept["token_ids"] = turn["token_ids"]
+    return kept
 
 
 def _messages_of(record: dict) -> list:
@@ -127,3 +146,23 @@ def _check_turn(turn: object, turn_number: int) -> None:
         )
     if not content.strip():
         raise SampleError("empty_content", f"{where} ({turn['role']}) has empty content")
+    if "token_ids" in turn:
+        _check_token_ids(turn, where)
+
+
+def _check_token_ids(turn: dict, where: str) -> None:
+    token_ids = turn["token_ids"]
+    if turn["role"] != "assistant":
+        raise SampleError(
+            "bad_token_ids", f"{where} ({turn['role']}) has 'token_ids'; only replies carry them"
+        )
+    if not isinstance(token_ids, list) or not all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in token_ids
+    ):
+        raise SampleError(
+            "bad_token_ids",
+            f"{where} (assistant): 'token_ids' must be a list of non-negative integer token ids; "
+            "regenerate the file or remove the field",
+        )
+    if not token_ids:
+        raise SampleError("bad_token_ids", f"{where} (assistant): 'token_ids' is empty but the reply is not")

@@ -7,6 +7,10 @@ preparation (`on_error="fail"`). A conversation whose prompt alone fills `max_le
 it is dropped. A conversation equal to an earlier one (same turns, whatever its id) is a duplicate:
 reported, and kept (`duplicates="keep"`, the default) or dropped. An input without a single
 conversation is an error. The summary counts kept, dropped by reason, and duplicates.
+
+A reply that carries `token_ids` (written by regeneration with a local target) trains on those ids,
+not on its re-tokenised text; a sample whose text does not re-tokenise to its ids is kept, counted
+(`num_token_ids_mismatch`) and its line reported.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import datasets
 
 from dflash2.config import DataConfig
 from dflash2.data.jsonl import Sample, SampleError, iter_lines, parse_sample
-from dflash2.data.render import has_trainable_block, render_with_loss_mask
+from dflash2.data.render import has_trainable_block, render_with_token_ids
 
 logger = logging.getLogger(__name__)
 SUMMARY_FILE = "summary.json"
@@ -52,6 +56,17 @@ class _Tally:
     errors: list[dict[str, Any]] = field(default_factory=list)
     num_duplicates: int = 0
     duplicates: list[dict[str, int]] = field(default_factory=list)
+    num_with_token_ids: int = 0
+    token_ids_mismatches: list[int] = field(default_factory=list)  # line numbers, all of them
+
+    def token_ids(self, line_number: int, matches_text: bool) -> None:
+        self.num_with_token_ids += 1
+        if not matches_text:
+            self.token_ids_mismatches.append(line_number)
+            if len(self.token_ids_mismatches) <= MAX_REPORTED_ERRORS:
+                self.log(
+                    line_number, "the reply text does not re-tokenise to its token_ids (trained on the ids)"
+                )
 
     def drop(self, error: SampleError, line_number: int) -> None:
         self.drops[error.code] += 1
@@ -102,7 +117,7 @@ def prepare_dataset(
         tally.num_lines += 1
         try:
             sample = _parse_unique(line, line_number, first_line_of_id)
-            input_ids, loss_mask = render_with_loss_mask(
+            input_ids, loss_mask, matches_text = render_with_token_ids(
                 sample.messages, tokenizer, chat_template_kwargs, end_of_turn
             )
         except SampleError as error:
@@ -112,6 +127,8 @@ def prepare_dataset(
                 ) from None
             tally.drop(error, line_number)
             continue
+        if any("token_ids" in turn for turn in sample.messages):
+            tally.token_ids(line_number, matches_text)
         turns = hashlib.sha256(json.dumps(sample.messages).encode()).hexdigest()
         if turns in first_line_of_turns:
             tally.duplicate(line_number, first_line_of_turns[turns], kept=duplicates == "keep")
@@ -153,7 +170,7 @@ def _fit(input_ids: list[int], loss_mask: list[int], max_length: int) -> tuple[l
 
 def _parse_unique(line: str, line_number: int, first_line_of_id: dict[str, int]) -> Sample:
     """parse_sample, and a SampleError for an id seen on an earlier line."""
-    sample = parse_sample(line, line_number)
+    sample = parse_sample(line, line_number, require_reply=True)
     if sample.id in first_line_of_id:
         raise SampleError(
             "duplicate_id", f"duplicate id {sample.id!r} (first on line {first_line_of_id[sample.id]})"
@@ -174,6 +191,9 @@ def _summary(jsonl_path, max_length: int, chat_template_kwargs, rows: dict, tall
         "dropped_by_reason": dict(sorted(tally.drops.items())),
         "num_duplicates": tally.num_duplicates,
         "num_truncated": tally.num_truncated,
+        "num_with_token_ids": tally.num_with_token_ids,
+        "num_token_ids_mismatch": len(tally.token_ids_mismatches),
+        "token_ids_mismatch_lines": tally.token_ids_mismatches[:MAX_REPORTED_ERRORS],
         "num_tokens": sum(map(len, rows["input_ids"])),
         "num_supervised_tokens": sum(map(sum, rows["loss_mask"])),
         "errors": tally.errors,
@@ -189,7 +209,8 @@ def describe(summary: dict[str, Any]) -> str:
         f"kept {summary['num_kept']} of {summary['num_lines']} conversations, dropped "
         f"{summary['num_dropped']} ({reasons}), duplicates {summary['num_duplicates']} ({policy}), "
         f"truncated {summary['num_truncated']}; {summary['num_supervised_tokens']} supervised of "
-        f"{summary['num_tokens']} tokens"
+        f"{summary['num_tokens']} tokens; {summary['num_with_token_ids']} with the target's token ids "
+        f"({summary['num_token_ids_mismatch']} of them do not re-tokenise from their text)"
     )
 
 

@@ -1,7 +1,10 @@
 """Regenerate assistant turns with the target's own greedy (temperature 0) replies.
 
 Each assistant turn is replaced, turn by turn, by what the target answers given the already
-regenerated history; system and user turns are kept. Two generators:
+regenerated history; system and user turns are kept; a prompt-only record (no assistant turn) gets
+the target's reply appended. A local target's reply also keeps the exact ids it generated
+(`token_ids`, without the stop token), which training uses instead of re-tokenising the text.
+Two generators:
 - `LocalTargetGenerator`: a Hugging Face causal LM, batched, left-padded `generate`.
 - `ServerGenerator`: an OpenAI-compatible `/v1/chat/completions` server (SGLang, vLLM).
 
@@ -19,6 +22,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -31,9 +35,17 @@ logger = logging.getLogger(__name__)
 Messages = list[dict[str, str]]
 
 
+@dataclass(frozen=True)
+class Reply:
+    text: str  # without the end-of-turn marker
+    token_ids: list[int] | None = (
+        None  # the ids the target generated for `text`; None when unknown (a server)
+    )
+
+
 class ReplyGenerator(Protocol):
-    def generate(self, histories: Sequence[Messages]) -> list[str]:
-        """The next assistant reply (text, without the end-of-turn marker) for each history."""
+    def generate(self, histories: Sequence[Messages]) -> list[Reply | str]:
+        """The next assistant reply for each history (a plain str: its text, ids unknown)."""
         ...
 
 
@@ -58,7 +70,7 @@ class LocalTargetGenerator:
             )
 
     @torch.no_grad()
-    def generate(self, histories: Sequence[Messages]) -> list[str]:
+    def generate(self, histories: Sequence[Messages]) -> list[Reply]:
         prompts = [encode_prompt(history, self.tokenizer, self.chat_template_kwargs) for history in histories]
         input_ids, attention_mask = _left_pad(prompts, self.tokenizer.pad_token_id)
         device = next(self.model.parameters()).device
@@ -70,12 +82,12 @@ class LocalTargetGenerator:
             eos_token_id=sorted(self.stop_ids),
             pad_token_id=self.tokenizer.pad_token_id,
         )
-        return [self._reply_text(row) for row in output[:, input_ids.shape[1] :].tolist()]
+        return [self._reply(row) for row in output[:, input_ids.shape[1] :].tolist()]
 
-    def _reply_text(self, new_ids: list[int]) -> str:
-        """Decode up to (not including) the first stop token."""
+    def _reply(self, new_ids: list[int]) -> Reply:
+        """The ids up to (not including) the first stop token, and their text."""
         end = next((i for i, token in enumerate(new_ids) if token in self.stop_ids), len(new_ids))
-        return self.tokenizer.decode(new_ids[:end], skip_special_tokens=False)
+        return Reply(self.tokenizer.decode(new_ids[:end], skip_special_tokens=False), new_ids[:end])
 
 
 def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,11 +124,11 @@ class ServerGenerator:
         self.concurrency = concurrency
         self.timeout_s = timeout_s
 
-    def generate(self, histories: Sequence[Messages]) -> list[str]:
+    def generate(self, histories: Sequence[Messages]) -> list[Reply]:
         with ThreadPoolExecutor(max_workers=self.concurrency) as pool:
             return list(pool.map(self._complete, histories))
 
-    def _complete(self, history: Messages) -> str:
+    def _complete(self, history: Messages) -> Reply:
         body: dict[str, Any] = {
             "model": self.model,
             "messages": history,
@@ -142,14 +154,19 @@ class ServerGenerator:
                 "the server split the reply into reasoning_content and content; start it without a reasoning "
                 "parser so that the reply text (thinking included) comes back verbatim"
             )
-        return message["content"] or ""
+        return Reply(message["content"] or "")
 
 
 def regenerate_conversations(conversations: Sequence[Messages], generator: ReplyGenerator) -> list[Messages]:
     """Replace every assistant turn, turn by turn, conditioning each on the regenerated history.
 
-    Conversations advance in lockstep: one `generator.generate` call per assistant-turn index.
+    Conversations advance in lockstep: one `generator.generate` call per assistant-turn index. A
+    conversation without an assistant turn (a prompt) gets one reply appended. A reply's
+    `token_ids` are kept in its turn; the generator sees the history as role and content only.
     """
+    conversations = [
+        c if any(t["role"] == "assistant" for t in c) else [*c, {"role": "assistant"}] for c in conversations
+    ]
     results: list[Messages] = [[] for _ in conversations]
     positions = [0] * len(conversations)
     while True:
@@ -162,10 +179,19 @@ def regenerate_conversations(conversations: Sequence[Messages], generator: Reply
                 waiting.append(i)
         if not waiting:
             return results
-        replies = generator.generate([results[i] for i in waiting])
-        for i, reply in zip(waiting, replies, strict=True):
-            results[i].append({"role": "assistant", "content": reply})
+        histories = [[{"role": t["role"], "content": t["content"]} for t in results[i]] for i in waiting]
+        for i, reply in zip(waiting, generator.generate(histories), strict=True):
+            results[i].append(_reply_turn(reply))
             positions[i] += 1
+
+
+def _reply_turn(reply: Reply | str) -> dict:
+    if isinstance(reply, str):
+        return {"role": "assistant", "content": reply}
+    turn = {"role": "assistant", "content": reply.text}
+    if reply.token_ids is not None:
+        turn["token_ids"] = list(reply.token_ids)
+    return turn
 
 
 def regenerate_file(

@@ -5,6 +5,10 @@ The loss mask is found from the rendered text itself, so it works for any chat t
 its end-of-turn marker (the tokenizer's eos token unless told otherwise); the tokens overlapping
 those character spans get loss_mask 1, everything else (system, user, role headers, a thinking
 prefix added by the template, the newline after the end-of-turn marker) gets 0.
+
+A reply that carries `token_ids` (the exact ids the target generated) is placed as those ids: the
+rendered text around it is tokenised piece by piece, so the prompt before the first reply is
+exactly what `encode_prompt` gives, followed by the generated ids and the end-of-turn token.
 """
 
 from __future__ import annotations
@@ -65,6 +69,53 @@ def render_with_loss_mask(
 ) -> tuple[list[int], list[int]]:
     """(input_ids, loss_mask) of the whole rendered conversation; raises SampleError when a reply
     cannot be found verbatim (followed by its end-of-turn marker) in the rendered text."""
+    end_of_turn = _end_of_turn(tokenizer, end_of_turn)
+    text = render_text(messages, tokenizer, chat_template_kwargs)
+    spans = [(start, end) for start, _, end in _assistant_spans(text, messages, end_of_turn)]
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    loss_mask = [int(_overlaps(token, spans)) for token in encoding["offset_mapping"]]
+    return list(encoding["input_ids"]), loss_mask
+
+
+def render_with_token_ids(
+    messages: list[dict],
+    tokenizer: Any,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    end_of_turn: str | None = None,
+) -> tuple[list[int], list[int], bool]:
+    """(input_ids, loss_mask, matches_text) of a conversation whose replies may carry `token_ids`.
+
+    Without any `token_ids` this is render_with_loss_mask (matches_text True). Otherwise the text
+    before, between and after the replies is tokenised piece by piece, each reply with ids is placed
+    as its ids, and the reply's trailing whitespace and end-of-turn marker are tokenised from the
+    text; loss_mask is 1 on each reply and its end-of-turn marker. matches_text says whether the
+    result equals the tokenisation of the whole rendered text (False: the text does not re-tokenise
+    to the target's ids). An id may lie past the tokenizer's last token (a target's vocabulary is
+    often padded beyond it): the target emitted it, so it is the label.
+    """
+    if not any("token_ids" in message for message in messages):
+        return (*render_with_loss_mask(messages, tokenizer, chat_template_kwargs, end_of_turn), True)
+    end_of_turn = _end_of_turn(tokenizer, end_of_turn)
+    text = render_text(messages, tokenizer, chat_template_kwargs)
+    replies = [message for message in messages if message["role"] == "assistant"]
+    input_ids, loss_mask, cursor = [], [], 0
+    for reply, (start, content_end, end) in zip(replies, _assistant_spans(text, messages, end_of_turn)):
+        before = _encode(tokenizer, text[cursor:start])
+        reply_ids = reply.get("token_ids") or _encode(tokenizer, text[start:content_end])
+        reply_ids = reply_ids + _encode(tokenizer, text[content_end:end])
+        input_ids += before + reply_ids
+        loss_mask += [0] * len(before) + [1] * len(reply_ids)
+        cursor = end
+    after = _encode(tokenizer, text[cursor:])
+    input_ids, loss_mask = input_ids + after, loss_mask + [0] * len(after)
+    return input_ids, loss_mask, input_ids == _encode(tokenizer, text)
+
+
+def _encode(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else []
+
+
+def _end_of_turn(tokenizer: Any, end_of_turn: str | None) -> str:
     if not getattr(tokenizer, "is_fast", False):
         raise ValueError(
             "a fast (Rust-backed) tokenizer is required: load it with AutoTokenizer.from_pretrained"
@@ -72,15 +123,15 @@ def render_with_loss_mask(
     end_of_turn = end_of_turn or tokenizer.eos_token
     if not end_of_turn:
         raise ValueError("the tokenizer has no eos_token; pass end_of_turn (e.g. '<|im_end|>')")
-    text = render_text(messages, tokenizer, chat_template_kwargs)
-    spans = _assistant_spans(text, messages, end_of_turn)
-    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    loss_mask = [int(_overlaps(token, spans)) for token in encoding["offset_mapping"]]
-    return list(encoding["input_ids"]), loss_mask
+    return end_of_turn
 
 
-def _assistant_spans(text: str, messages: list[dict[str, str]], end_of_turn: str) -> list[tuple[int, int]]:
-    """Character spans [start, end) of each assistant reply plus its end-of-turn marker.
+def _assistant_spans(
+    text: str, messages: list[dict[str, str]], end_of_turn: str
+) -> list[tuple[int, int, int]]:
+    """(start, content end, end) character positions of each assistant reply; [start, end) covers the
+    reply plus its end-of-turn marker. A reply with `token_ids` is searched verbatim (its ids are
+    the whole content), any other with surrounding whitespace stripped.
 
     Messages are searched in order from a moving cursor, so a reply is never matched inside an
     earlier turn. A reply must be followed (after optional whitespace) by `end_of_turn`, which also
@@ -94,6 +145,8 @@ def _assistant_spans(text: str, messages: list[dict[str, str]], end_of_turn: str
             found = text.find(content, cursor)
             cursor = found + len(content) if found >= 0 else cursor  # templates may rewrite these; harmless
             continue
+        if "token_ids" in message:
+            content = message["content"]
         span = _find_reply(text, content, cursor, end_of_turn)
         if span is None:
             raise SampleError(
@@ -101,7 +154,7 @@ def _assistant_spans(text: str, messages: list[dict[str, str]], end_of_turn: str
                 f"turn {turn_number} (assistant): reply followed by {end_of_turn!r} not found verbatim in the "
                 "text rendered by the chat template (the template rewrites it, or its end-of-turn marker differs)",
             )
-        spans.append(span)
+        spans.append((span[0], span[0] + len(content), span[1]))
         cursor = span[1]
     return spans
 

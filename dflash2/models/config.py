@@ -376,7 +376,18 @@ def _check_block_and_layers(cfg: dict, problems: list[str]) -> None:
             )
 
 
-def _check_mask_token(cfg: dict, tokenizer: Any, problems: list[str]) -> None:
+def _check_mask_token(cfg: dict, tokenizer: Any, problems: list[str], source: Any = None) -> None:
+    before = len(problems)
+    _check_mask_token_id(cfg, tokenizer, problems)
+    if tokenizer is not None and len(problems) > before:  # a draft/tokenizer mismatch: name both
+        files = (
+            f" (draft {_config_file(source, 'config given as a dict')}, "
+            f"tokenizer {getattr(tokenizer, 'name_or_path', None) or 'given as an object'})"
+        )
+        problems[before:] = [problem + files for problem in problems[before:]]
+
+
+def _check_mask_token_id(cfg: dict, tokenizer: Any, problems: list[str]) -> None:
     mask_token_id = draft_value(cfg, "mask_token_id")
     vocab_size = cfg.get("vocab_size")
     if not _is_int(mask_token_id):
@@ -419,26 +430,43 @@ def text_config_of(target_config: Any) -> Any:
     return text if text is not None else target_config
 
 
-def _check_target(cfg: dict, target_config: Any, problems: list[str]) -> None:
+def _config_file(config: Any, unknown: str) -> str:
+    """The file a config came from: a path (a directory means its config.json), the directory a
+    transformers config was read from, else `unknown`."""
+    where = getattr(config, "name_or_path", None) if not isinstance(config, (str, Path)) else config
+    if not where:
+        return unknown
+    return str(Path(where) / "config.json") if Path(where).is_dir() else str(where)
+
+
+def _check_target(cfg: dict, target_config: Any, problems: list[str], source: Any = None) -> None:
     target = text_config_of(target_config)
+    files = (
+        f" (draft {_config_file(source, 'config given as a dict')}, "
+        f"target {_config_file(target_config, 'config given as a dict')})"
+    )
     for key in ("hidden_size", "vocab_size"):
         if cfg.get(key) != _get(target, key):
             problems.append(
-                f"{key}={cfg.get(key)!r} but the target's {key} is {_get(target, key)!r}; they must be equal"
+                f"{key}={cfg.get(key)!r} but the target's {key} is {_get(target, key)!r}{files}; "
+                "they must be equal"
             )
     num_target_layers = draft_value(cfg, "num_target_layers")
     if num_target_layers != _get(target, "num_hidden_layers"):
         problems.append(
             f"num_target_layers={num_target_layers!r} but the target has num_hidden_layers="
-            f"{_get(target, 'num_hidden_layers')!r}; set num_target_layers to it"
+            f"{_get(target, 'num_hidden_layers')!r}{files}; set num_target_layers to it"
         )
 
 
-def validate_draft_config(cfg: dict, *, tokenizer: Any = None, target_config: Any = None) -> list[str]:
+def validate_draft_config(
+    cfg: dict, *, tokenizer: Any = None, target_config: Any = None, source: str | Path | None = None
+) -> list[str]:
     """Every contract section 3 problem of a raw config dict, one message each (empty list: valid).
 
     tokenizer: a Hugging Face tokenizer, to check the mask token; target_config: the target's config
-    (dict, PretrainedConfig or path), to check hidden size, vocabulary and depth.
+    (dict, PretrainedConfig or path), to check hidden size, vocabulary and depth; source: the file
+    `cfg` was read from, named with the target's in a draft/target mismatch.
     """
     problems: list[str] = []
     _check_identity(cfg, problems)
@@ -448,9 +476,9 @@ def validate_draft_config(cfg: dict, *, tokenizer: Any = None, target_config: An
     nested = cfg.get("dflash_config") if isinstance(cfg.get("dflash_config"), dict) else {}
     _check_v2_fields(cfg, nested, problems)
     _check_block_and_layers(cfg, problems)
-    _check_mask_token(cfg, tokenizer, problems)
+    _check_mask_token(cfg, tokenizer, problems, source)
     if target_config is not None:
-        _check_target(cfg, target_config, problems)
+        _check_target(cfg, target_config, problems, source)
     return problems
 
 

@@ -24,6 +24,7 @@ from dflash2.models.context_cache import DraftContextCache
 from dflash2.models.conv import AFTER, BEFORE, GroupedDynamicConv
 from dflash2.models.selector import CandidateSelector
 from dflash2.models.target_head import TargetHead
+from dflash2.timing import region
 
 
 def transform_logits(logits: torch.Tensor, multiplier: float, softcap: float | None) -> torch.Tensor:
@@ -201,7 +202,8 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """slot_hidden [b, B-1, H] (slots 1..B-1). Returns (tokens [b, B-1], candidate ids or None,
         draft probabilities: full-vocab [b, B-1, V] for v1, over the candidates [b, B-1, k] for v2)."""
-        logits = self.compute_logits(slot_hidden, head)
+        with region("head"):
+            logits = self.compute_logits(slot_hidden, head)
         if temperature > 0:
             probs = torch.softmax(logits.float() / temperature, dim=-1)
             tokens = torch.multinomial(probs.flatten(0, 1), 1, generator=generator).view(probs.shape[:-1])
@@ -230,9 +232,11 @@ class DFlash2DraftModel(DFlashDraftModel):
     def propose(self, slot_hidden, anchor_ids, head, temperature=0.0, generator=None):
         """Selector walk over the [B-1, k, k] lattice. Returns (tokens [b, B-1], candidates
         [b, B-1, k], q [b, B-1, k] — the walk's sampling rows, or one-hot of the greedy pick)."""
-        logits = self.compute_logits(slot_hidden, head)
-        lattice, candidates = self.candidate_selector.lattice(slot_hidden, logits, anchor_ids)
-        tokens, index, q = self.candidate_selector.walk(lattice, candidates, temperature, generator)
+        with region("head"):
+            logits = self.compute_logits(slot_hidden, head)
+        with region("selector"):
+            lattice, candidates = self.candidate_selector.lattice(slot_hidden, logits, anchor_ids)
+            tokens, index, q = self.candidate_selector.walk(lattice, candidates, temperature, generator)
         if q is None:
             q = torch.nn.functional.one_hot(index, candidates.shape[-1]).float()
         return tokens, candidates, q

@@ -24,13 +24,18 @@ def draft_class(architecture: str) -> type[DFlashDraftModel]:
     return DRAFT_REGISTRY[architecture]
 
 
-def build_draft(config: str | Path | dict, *, target_config=None, tokenizer=None) -> DFlashDraftModel:
+def build_draft(
+    config: str | Path | dict, *, target_config=None, tokenizer=None, source: str | Path | None = None
+) -> DFlashDraftModel:
     """Build a freshly initialised draft from a config.json path, a directory, or an HF-form dict.
 
     The config is normalised (DFlash fields nested in `dflash_config`) and validated first —
     against the target's config and tokenizer when given — with every problem in one ValueError.
     """
-    cfg = check_draft_config(load_config_dict(config), target_config=target_config, tokenizer=tokenizer)
+    source = source or (None if isinstance(config, dict) else config)
+    cfg = check_draft_config(
+        load_config_dict(config), target_config=target_config, tokenizer=tokenizer, source=source
+    )
     architectures = cfg.get("architectures") or ["DFlashDraftModel"]
     if len(architectures) != 1:
         raise ValueError(f"architectures must name exactly one draft class, got {architectures}")

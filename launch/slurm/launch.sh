@@ -1,57 +1,67 @@
 # The body shared by launch/slurm/*.sbatch (sourced; bash). `dflash2_slurm_run <config.yaml> [key=value ...]`:
-#   1. validates the run config and refuses one that could not resume (train.resume must be auto:
-#      a requeued job reruns this same script and must continue from the latest checkpoint in the
-#      config's fixed output_dir), and works out the global batch on this job's GPUs: with
-#      train.global_batch_size set, the accumulation steps follow the number of GPUs, so a job
-#      submitted with a node range (--nodes=2-4) may be requeued onto another number of nodes and
-#      continue the same run (the checkpoint is re-cut for the new number of ranks);
-#   2. starts one torchrun agent per node (srun, one task per node; launch/multinode_torchrun.sh with
-#      the environment from launch/slurm/slurm_env.sh, derived again inside each task);
-#   3. on SIGUSR1 (#SBATCH --signal=B:USR1@120: two minutes before the time limit) passes it on to the
-#      step (srun forwards it to every process of the step); the workers finish their optimizer step,
-#      write a checkpoint and exit with 75, and the launcher too;
-#   4. requeues the job with `scontrol requeue` when the step exits with 75 (stopped on a signal, from
-#      SLURM or anyone else): the requeued job resumes at the step it stopped at, losing nothing. After
-#      passing USR1 on it also requeues a step that ended by a signal: with several nodes, srun
-#      (--kill-on-bad-exit) may kill the tasks still exiting once the first one has exited with 75.
-#      #SBATCH --requeue also requeues after a node failure (back to the latest checkpoint then).
+#   1. pre-flight, before any node starts: launch/slurm/preflight.py runs the trainer's own checks of
+#      the run config and of every path it reads, refuses a config that could not resume (train.resume
+#      must be auto) and a global batch this job's GPUs cannot split; a problem is one message, exit 2.
+#      With train.global_batch_size set, the accumulation steps follow the number of GPUs, so a job
+#      submitted with a node range (--nodes=2-4) may be requeued onto another number of nodes;
+#   2. starts one torchrun agent per node (srun, one task per node, launch/multinode_torchrun.sh with
+#      the environment of launch/slurm/slurm_env.sh, derived again inside each task). srun gets
+#      --cpus-per-task explicitly (since Slurm 22.05 it no longer inherits it from sbatch, and each
+#      node's agent and its workers would share one core) and a rendezvous port free on the first node
+#      (DFLASH2_MASTER_PORT). Each node's output goes to <output_dir>/slurm/<job id>.<restart>/node<N>.out;
+#      this shell's own lines also to <output_dir>/slurm/batch-<job id>.log;
+#   3. on SIGUSR1 (#SBATCH --signal=B:USR1@<lead seconds>, before the time limit) passes it on to the
+#      step (srun forwards it to every process of the step); on SIGTERM (`scancel --signal=TERM
+#      --batch`, a site that signals the batch shell) sends SIGTERM to every process of the job's
+#      steps with `scancel --signal=TERM <job>`, not through srun: srun itself ends its step at once on
+#      SIGTERM (it kills the tasks), so a SIGTERM that also reaches srun (`scancel --full`, the time
+#      limit itself) cannot end in a checkpoint, and the job resumes from the latest periodic one.
+#      The workers finish their optimizer step, write a checkpoint, and the trainers' rank 0 then
+#      writes <output_dir>/stopped.json with the step (dflash2.faults);
+#   4. requeues the job with `scontrol requeue` when the run wrote that marker during this start,
+#      whatever srun's exit status (with several nodes, --kill-on-bad-exit may end the tasks still
+#      exiting once the first one has exited with 75): the requeued job resumes at the step it stopped
+#      at, losing nothing. A failure without the marker is never requeued (a bug would requeue over and
+#      over), nor a job SLURM reports CANCELLED (a plain `scancel` is final). #SBATCH --requeue also
+#      requeues after a node failure (back to the latest periodic checkpoint then).
 
-_DFLASH2_EXIT_STOPPED=75  # dflash2.errors.EXIT_STOPPED
+_DFLASH2_STOP_MARKER=stopped.json  # dflash2.faults.STOP_MARKER
+
+_dflash2_say() {
+  local line="[dflash2] job ${SLURM_JOB_ID}: $*"
+  echo "$line"
+  if [[ -n ${_dflash2_log:-} ]]; then echo "$line" >>"$_dflash2_log"; fi
+}
 
 _dflash2_on_usr1() {
-  echo "[dflash2] job ${SLURM_JOB_ID} near its time limit: the run checkpoints and stops"
+  _dflash2_say "SIGUSR1: passed on to the run, which checkpoints and stops"
   _dflash2_signaled=1
-  _dflash2_passed_on=1
   kill -USR1 "$_dflash2_step" 2>/dev/null || true
 }
 
-_dflash2_check_config() {
-  "$1" - "${@:2}" <<'PY'
-import sys
+_dflash2_on_term() {
+  _dflash2_say "SIGTERM: sent to every process of the run (scancel --signal=TERM), which checkpoints and stops"
+  _dflash2_signaled=1
+  scancel --signal=TERM "${SLURM_JOB_ID}" || kill -USR1 "$_dflash2_step" 2>/dev/null || true
+}
 
-from dflash2.config import load_run_config
+_dflash2_free_port() {
+  "$1" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
+}
 
-cfg = load_run_config(sys.argv[2], sys.argv[3:])
-if cfg.train.resume != "auto":
-    sys.exit(
-        f"train.resume={cfg.train.resume!r}: a requeued SLURM job resumes only with train.resume=auto "
-        "(and a fixed output_dir)"
-    )
-world_size = int(sys.argv[1])
-data_parallel = cfg.data_parallel_size(world_size)
-if data_parallel < 1:
-    sys.exit(f"capture_ranks={cfg.capture_ranks} leaves no trainer among this job's {world_size} GPUs")
-try:
-    t = cfg.with_batch_layout(data_parallel).train
-except ValueError as err:
-    sys.exit(f"{err} (this job has {world_size} GPUs)")
-print(f"[dflash2] run config {sys.argv[2]}: backend {cfg.backend}, topology {cfg.topology}, output_dir {cfg.output_dir}")
-print(
-    f"[dflash2] global batch {t.micro_batch_size * t.grad_accum_steps * data_parallel}: micro-batch "
-    f"{t.micro_batch_size} x {t.grad_accum_steps} accumulation steps x {data_parallel} ranks"
-    + ("" if t.global_batch_size else "; set train.global_batch_size to requeue onto another number of GPUs")
-)
-PY
+_dflash2_cancelled() {
+  scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -q "JobState=CANCELLED"
+}
+
+# Wait for the step, through the traps' interruptions of `wait`; its exit status.
+_dflash2_wait_step() {
+  local status
+  while true; do
+    _dflash2_signaled=
+    status=0
+    wait "$_dflash2_step" || status=$?
+    [[ -z $_dflash2_signaled ]] && return "$status"
+  done
 }
 
 dflash2_slurm_run() {
@@ -60,28 +70,44 @@ dflash2_slurm_run() {
   local python=${PYTHON:-.venv/bin/python}
   export PYTHON=$python
   source launch/slurm/slurm_env.sh
-  _dflash2_check_config "$python" "$WORLD_SIZE" "$config" "$@"
-  echo "[dflash2] job ${SLURM_JOB_ID} (restart ${RESTART_COUNT}): ${NNODES} nodes x ${GPUS_PER_NODE} GPUs," \
-    "rendezvous ${MASTER_ADDR}:${MASTER_PORT}"
+  local run_dir
+  run_dir=$("$python" launch/slurm/preflight.py --world-size "$WORLD_SIZE" "$config" "$@") || return
+  export DFLASH2_MASTER_PORT MASTER_PORT
+  DFLASH2_MASTER_PORT=$(_dflash2_free_port "$python")
+  MASTER_PORT=$DFLASH2_MASTER_PORT
+  local log_dir="$run_dir/slurm/${SLURM_JOB_ID}.${RESTART_COUNT}" marker="$run_dir/$_DFLASH2_STOP_MARKER"
+  mkdir -p "$log_dir"
+  _dflash2_log="$run_dir/slurm/batch-${SLURM_JOB_ID}.log"
+  rm -f "$marker"  # a marker from an earlier start must not requeue this one
+  _dflash2_say "(restart ${RESTART_COUNT}) ${NNODES} nodes x ${GPUS_PER_NODE} GPUs," \
+    "${SLURM_CPUS_PER_TASK:-all the} CPUs per node, rendezvous ${MASTER_ADDR}:${MASTER_PORT}; log ${log_dir}/node<N>.out"
 
   trap _dflash2_on_usr1 USR1
+  trap _dflash2_on_term TERM
   # NODE_RANK differs per node: each task derives its own environment.
   srun --kill-on-bad-exit=1 --nodes="${NNODES}" --ntasks-per-node=1 \
+    ${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"} --output="$log_dir/node%n.out" \
     bash -c 'source launch/slurm/slurm_env.sh && exec launch/multinode_torchrun.sh "$@"' dflash2 \
     --config "$config" "$@" &
   _dflash2_step=$!
-  _dflash2_passed_on=
-  local status
-  while true; do
-    _dflash2_signaled=
-    status=0
-    wait "$_dflash2_step" || status=$?
-    [[ -z $_dflash2_signaled ]] && break  # else the trap ended the wait early: wait for the step itself
-  done
-  if [[ $status == "$_DFLASH2_EXIT_STOPPED" || (-n $_dflash2_passed_on && $status -gt 128) ]]; then
-    echo "[dflash2] job ${SLURM_JOB_ID}: the run stopped with a checkpoint; requeueing, it resumes there"
-    scontrol requeue "${SLURM_JOB_ID}" || echo "[dflash2] scontrol requeue failed; resubmit the job" >&2
+  local status=0
+  _dflash2_wait_step || status=$?
+  trap - USR1 TERM
+  if [[ ! -f $marker && $status == 0 ]]; then
+    _dflash2_say "the run finished"
     return 0
   fi
-  return "$status"
+  if [[ ! -f $marker ]]; then
+    _dflash2_say "the run ended with exit status ${status} and no stop marker: not requeued"
+    return "$status"
+  fi
+  local stopped
+  stopped=$(cat "$marker")
+  if _dflash2_cancelled; then
+    _dflash2_say "the run stopped with a checkpoint (${stopped}); the job was cancelled: not requeued"
+    return 0
+  fi
+  _dflash2_say "the run stopped with a checkpoint (${stopped}); requeueing, it resumes there"
+  scontrol requeue "${SLURM_JOB_ID}" || _dflash2_say "scontrol requeue failed; resubmit the job" >&2
+  return 0
 }

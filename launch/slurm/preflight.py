@@ -1,0 +1,71 @@
+"""The SLURM scripts' check of a run before `srun` starts it on every node (launch/slurm/launch.sh).
+
+    python launch/slurm/preflight.py --world-size N <config.yaml> [key=value ...]
+
+The same checks as launch/train.py (the run config, its overrides and every path it reads) plus what
+a requeued job needs: train.resume auto (a requeued job reruns the same command and must continue from
+the latest checkpoint in the fixed output_dir), a global batch that this job's GPUs can split, at
+least one trainer rank. A problem is one message and exit 2 (no traceback), before any node starts.
+The run's layout goes to stderr (the job's log); stdout is one line, the run's output_dir, for the
+batch shell (the run's logs and its stop marker live there).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
+
+from dflash2.config import check_run_paths, load_run_config  # noqa: E402
+from dflash2.errors import add_debug_flag, run_main  # noqa: E402
+
+
+def check(config: str, overrides: list[str], world_size: int) -> str:
+    """The layout of the run on `world_size` GPUs, or a ValueError naming what to fix."""
+    cfg = load_run_config(config, overrides)
+    check_run_paths(cfg)
+    if cfg.train.resume != "auto":
+        raise ValueError(
+            f"train.resume={cfg.train.resume!r}: a requeued SLURM job resumes only with train.resume=auto "
+            "(and a fixed output_dir)"
+        )
+    data_parallel = cfg.data_parallel_size(world_size)
+    if data_parallel < 1:
+        raise ValueError(
+            f"capture_ranks={cfg.capture_ranks} leaves no trainer among this job's {world_size} GPUs"
+        )
+    try:
+        t = cfg.with_batch_layout(data_parallel).train
+    except ValueError as error:
+        raise ValueError(f"{error} (this job has {world_size} GPUs)") from None
+    hint = (
+        "" if t.global_batch_size else "; set train.global_batch_size to requeue onto another number of GPUs"
+    )
+    print(
+        f"[dflash2] run config {config}: backend {cfg.backend}, topology {cfg.topology}, output_dir "
+        f"{cfg.output_dir}\n[dflash2] global batch {t.micro_batch_size * t.grad_accum_steps * data_parallel}: "
+        f"micro-batch {t.micro_batch_size} x {t.grad_accum_steps} accumulation steps x {data_parallel} ranks{hint}",
+        file=sys.stderr,
+    )
+    return cfg.output_dir
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="launch/slurm/preflight.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--world-size", type=int, required=True, help="GPUs of this job (all nodes)")
+    parser.add_argument("config", help="run config YAML")
+    parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    add_debug_flag(parser)
+    args = parser.parse_intermixed_args(argv)
+    print(check(args.config, args.overrides, args.world_size))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))
