@@ -16,7 +16,8 @@ Reported: tokens/s of both decodes and their ratio, the mean acceptance length, 
 CPU time of one plain decoding step (target alone, per token) and of one verify step, split into
 its regions (self time: a region's own time without the regions inside it; `other` is the step's
 time outside every region), a verify step in plain decoding steps, and the speedup that step would
-give at a few acceptance lengths (`tau x plain step / verify step`). The median CPU time of the
+give at a few acceptance lengths (`tau x plain step / verify step`), and what a few-row GEMM of
+the target's shapes costs in each weight layout (`gemm_cpu_ms`). The median CPU time of the
 draft's block over the first and the last `--window-steps` steps tells whether a draft step costs
 more late in a generation than early.
 
@@ -42,6 +43,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a plain script from any directory
     sys.path.insert(0, str(REPO_ROOT))
 
 from dflash2 import decode  # noqa: E402
+from dflash2.capture.features import decoder_layers  # noqa: E402
 from dflash2.evaluate import encode_prompt, load_models, read_prompts  # noqa: E402
 from dflash2.models import TargetHead, build_draft  # noqa: E402
 from dflash2.models.config import default_target_layer_ids, load_config_dict  # noqa: E402
@@ -116,6 +118,30 @@ def load(args: argparse.Namespace):
     if not args.plain_layout:
         use_decoding_layout(target, draft, head)
     return draft, target, head, tokenizer
+
+
+def gemm_layouts(target, rows: tuple[int, ...], repeats: int = 20) -> dict:
+    """Median CPU ms of F.linear on the shapes of the target's LM head and of the largest linear of
+    its first layer (random values), the weight [out, in] row-major (as loaded) vs stored
+    transposed (use_decoding_layout)."""
+    from torch.nn import functional as F
+
+    out = {}
+    linears = [m for m in decoder_layers(target)[0].modules() if isinstance(m, torch.nn.Linear)]
+    largest = max(linears, key=lambda m: m.weight.numel()).weight  # an MLP projection
+    for weight in (target.get_output_embeddings().weight, largest):
+        as_loaded = torch.randn(weight.shape)
+        laid_out = as_loaded.t().contiguous().t()
+        for m in rows:
+            x = torch.randn(m, weight.shape[1])
+            for name, w in (("as_loaded", as_loaded), ("decoding_layout", laid_out)):
+                times = []
+                for _ in range(repeats):
+                    start = time.process_time()
+                    F.linear(x, w)
+                    times.append(time.process_time() - start)
+                out[f"{tuple(weight.shape)} x {m} rows, {name}"] = 1e3 * statistics.median(times)
+    return out
 
 
 def step_breakdown(history: list[dict]) -> dict:
@@ -222,6 +248,7 @@ def main(argv: list[str] | None = None) -> dict:
     draft, target, head, tokenizer = load(args)
     prompts = [encode_prompt(m, tokenizer) for m in read_prompts(args.data, args.num_prompts)]
     report = report_of(args, prompts, *decode_all(args, draft, target, head, prompts))
+    report["gemm_cpu_ms"] = gemm_layouts(target, (1, draft.block_size))
     print(json.dumps(report, indent=2))
     print_table(report)
     if args.json is not None:

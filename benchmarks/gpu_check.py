@@ -337,6 +337,7 @@ def run_checks(args: argparse.Namespace, work: Path) -> dict:
         ):
             summary = json.loads(eval_json.read_text())
             keys = ("mean_acceptance_length", "generated_tokens", "tokens_per_s", "wall_s", "draft")
+            keys += ("target_tokens_per_s", "speedup")  # the target alone, same prompts
             parts["evaluate"].update({k: summary[k] for k in keys})
     else:
         parts["evaluate"] = {"status": "skipped", "reason": "no training run produced an export"}

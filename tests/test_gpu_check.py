@@ -70,4 +70,7 @@ def test_cpu_tiny_run_covers_every_part(tmp_path):
     assert bench["mfu"] is None and "pass --peak-tflops" in bench["peak_source"]
     evaluation = parts["evaluate"]
     assert 1.0 <= evaluation["mean_acceptance_length"] <= 8 and 2 <= evaluation["generated_tokens"] <= 32
+    assert evaluation["speedup"] == pytest.approx(
+        evaluation["tokens_per_s"] / evaluation["target_tokens_per_s"]
+    )
     assert math.isfinite(summary["seconds"]) and summary["environment"]["device"] == "cpu"
