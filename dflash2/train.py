@@ -302,13 +302,19 @@ def fit(
         training_run = {"step": state.step, "chat_template_kwargs": dict(cfg.data.chat_template_kwargs)}
         export_final(setup, run_dir / "export", training_run)
     logger.close()
-    if stop_request.stopped:  # the marker before any rank exits: srun may end the others at the first exit
+    report_end(backend, run_dir, state.step, cfg.train.max_steps, saved)
+    return summary
+
+
+def report_end(backend: Backend, run_dir: Path, step: int, max_steps: int, saved: Path | None) -> None:
+    """The end of a launch on the console and, after a stop, the stop marker (dflash2.faults) that
+    every rank waits for: srun may end the other ranks as soon as one has exited."""
+    if stop_request.stopped:
         if backend.is_main:
-            write_stop_marker(run_dir, state.step, saved)
+            write_stop_marker(run_dir, step, saved)
         backend.barrier()
     if backend.is_main:
-        print(end_message(state.step, cfg.train.max_steps, saved), flush=True)
-    return summary
+        print(end_message(step, max_steps, saved), flush=True)
 
 
 def end_message(step: int, max_steps: int, checkpoint: Path | None) -> str:

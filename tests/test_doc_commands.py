@@ -291,8 +291,6 @@ def test_a_doc_with_a_wrong_flag_fails(tmp_path, monkeypatch):
     """The checker on a synthetic doc: the wrong flag, the missing required one, the override typo
     and the missing config are each found; the correct commands pass."""
     (tmp_path / "doc.md").write_text(SYNTHETIC)
-    monkeypatch.setattr(sys.modules[__name__], "DOCS", [tmp_path / "doc.md"])
-    monkeypatch.setattr(sys.modules[__name__], "REPO", REPO)
     found = []
     for start, body in fenced_blocks((tmp_path / "doc.md").read_text()):
         for offset, line in logical_lines(body):

@@ -13,7 +13,7 @@ import pytest
 from safetensors.torch import load_file
 
 from dflash2.export import check_export
-from tests.run_helpers import check_ok, launch_train, metrics
+from tests.run_helpers import check_ok, launch_train, metrics, tiny_subset
 
 
 @pytest.fixture(scope="module")
@@ -154,3 +154,33 @@ def test_resume_on_another_number_of_ranks_continues_the_run(backend, common, on
         assert got["num_supervised_tokens"] == expected["num_supervised_tokens"]  # the same samples
         # fp32, the same samples and blocks summed in another order: at most 2.1e-7 relative observed
         assert got["loss"] == pytest.approx(expected["loss"], rel=1e-5), got["step"]
+
+
+@pytest.mark.slow
+def test_a_shipped_config_stopped_on_two_ranks_resumes_on_one_with_no_override(tiny_default, tmp_path):
+    """configs/tiny-dflash2.yaml fixes its global batch (8 sequences per step): a 2-rank FSDP2 run
+    (micro-batch 4) stopped at step 6 resumes on 1 rank (2 accumulation steps) with the same command
+    and finishes with the losses of the uninterrupted 2-rank run. Without the fixed global batch the
+    resume is refused, naming the override that resumes."""
+    args = [
+        f"model.target={tiny_default.target_dir}", f"data.train={tiny_subset(tiny_default, tmp_path, 64)}",
+        "data.max_length=96", "objective.num_anchors=8", "backend=fsdp", "train.micro_batch_size=4",
+        "train.max_steps=8", "train.save_every=0", "train.export=false", "train.progress_bar=false",
+        "train.log_every=1", "train.warmup_steps=0",
+    ]  # fmt: skip
+    reference, run_dir = tmp_path / "reference", tmp_path / "run"
+    check_ok(launch_train(2, [*args, f"output_dir={reference}"]))
+    check_ok(launch_train(2, [*args, f"output_dir={run_dir}", "train.stop_at_step=6"]))
+    refused = launch_train(1, [*args, f"output_dir={run_dir}", "train.global_batch_size=null"])
+    assert refused.returncode == 2 and "global_batch_size: saved 8, new 4" in refused.stderr, refused.stderr
+    assert "To resume, add these overrides: train.global_batch_size=8" in refused.stderr
+    resumed = check_ok(launch_train(1, [*args, f"output_dir={run_dir}"]))
+    assert "resuming a checkpoint of 2 ranks on 1" in resumed.stdout
+    assert "global batch 8 samples per step: micro-batch 4 x 2 accumulation steps x 1 ranks" in resumed.stdout
+    got, expected = metrics(run_dir), metrics(reference)
+    assert [m["step"] for m in got] == list(range(1, 9))
+    assert [m["loss"] for m in got[:6]] == [m["loss"] for m in expected[:6]]  # the same 2-rank steps
+    for after, uninterrupted in zip(got[6:], expected[6:]):
+        assert after["num_supervised_tokens"] == uninterrupted["num_supervised_tokens"]  # the same samples
+        # fp32, the same samples summed in another order (one rank, two micro-batches)
+        assert after["loss"] == pytest.approx(uninterrupted["loss"], rel=1e-5), after["step"]

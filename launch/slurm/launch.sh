@@ -36,13 +36,14 @@ _dflash2_say() {
 _dflash2_on_usr1() {
   _dflash2_say "SIGUSR1: passed on to the run, which checkpoints and stops"
   _dflash2_signaled=1
+  if [[ -z ${_dflash2_step:-} ]]; then _dflash2_pending=1; return; fi  # srun is starting: pass it on then
   kill -USR1 "$_dflash2_step" 2>/dev/null || true
 }
 
 _dflash2_on_term() {
   _dflash2_say "SIGTERM: sent to every process of the run (scancel --signal=TERM), which checkpoints and stops"
   _dflash2_signaled=1
-  scancel --signal=TERM "${SLURM_JOB_ID}" || kill -USR1 "$_dflash2_step" 2>/dev/null || true
+  scancel --signal=TERM "${SLURM_JOB_ID}" || kill -USR1 "${_dflash2_step:-}" 2>/dev/null || true
 }
 
 _dflash2_free_port() {
@@ -82,6 +83,7 @@ dflash2_slurm_run() {
   _dflash2_say "(restart ${RESTART_COUNT}) ${NNODES} nodes x ${GPUS_PER_NODE} GPUs," \
     "${SLURM_CPUS_PER_TASK:-all the} CPUs per node, rendezvous ${MASTER_ADDR}:${MASTER_PORT}; log ${log_dir}/node<N>.out"
 
+  _dflash2_step= _dflash2_pending=
   trap _dflash2_on_usr1 USR1
   trap _dflash2_on_term TERM
   # NODE_RANK differs per node: each task derives its own environment.
@@ -90,6 +92,7 @@ dflash2_slurm_run() {
     bash -c 'source launch/slurm/slurm_env.sh && exec launch/multinode_torchrun.sh "$@"' dflash2 \
     --config "$config" "$@" &
   _dflash2_step=$!
+  if [[ -n $_dflash2_pending ]]; then kill -USR1 "$_dflash2_step" 2>/dev/null || true; fi
   local status=0
   _dflash2_wait_step || status=$?
   trap - USR1 TERM
