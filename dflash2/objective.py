@@ -564,7 +564,6 @@ def compute_objective(
     rows = weights > 0
     slot = torch.arange(1, block_size, device=rows.device).expand_as(rows)[rows] - 1  # [R], 0-based k-1
     h, y, w, pred = hidden[rows], labels[rows], weights[rows], predecessors[rows]
-    multiplier, cap = cfg.output_multiplier, cfg.softcap
     selector = getattr(model, "candidate_selector", None)
 
     base_sum, topk_ids, metrics = _block_loss(h, y, w, rows, blocks, batch, head, cfg, naive)
@@ -577,18 +576,24 @@ def compute_objective(
     loss_sum = base_sum
     if selector is not None:
         scores, gold_index, in_topk = selector_scores(
-            selector, h, head, topk_ids, y, pred, multiplier, cap, cfg.selector_mode
+            selector, h, head, topk_ids, y, pred, cfg.output_multiplier, cfg.softcap, cfg.selector_mode
         )
-        sel_w = w if cfg.selector_mode == "insert" else w * in_topk
-        sel_sum = (sel_w * F.cross_entropy(scores, gold_index, reduction="none")).sum()
+        sel_sum = _selector_loss(scores, gold_index, in_topk, w, slot, rows, valid, cfg, metrics)
         loss_sum = loss_sum + cfg.selector_loss_alpha * sel_sum
-        metrics["selector_loss_sum"] = sel_sum.detach()
-        metrics["selector_weight_sum"] = sel_w.sum().detach()
-        # The greedy walk's pick under the teacher-forced predecessor, over the original top-k.
-        correct = in_topk & (scores.argmax(-1) == gold_index)
-        metrics["slot_selector_correct"] = _per_slot(slot, correct, block_size)
-        metrics["accept_len_selector_sum"] = acceptance_length_sum(rows, correct, valid)
     return ObjectiveOutput(loss_sum=loss_sum, weight_sum=weights.sum(), metrics=metrics)
+
+
+def _selector_loss(scores, gold_index, in_topk, w, slot, rows, valid, cfg, metrics) -> torch.Tensor:
+    """sum(w_sel * CE(scores, gold index)); its metric sums go into `metrics`."""
+    sel_w = w if cfg.selector_mode == "insert" else w * in_topk
+    sel_sum = (sel_w * F.cross_entropy(scores, gold_index, reduction="none")).sum()
+    metrics["selector_loss_sum"] = sel_sum.detach()
+    metrics["selector_weight_sum"] = sel_w.sum().detach()
+    # The greedy walk's pick under the teacher-forced predecessor, over the original top-k.
+    correct = in_topk & (scores.argmax(-1) == gold_index)
+    metrics["slot_selector_correct"] = _per_slot(slot, correct, cfg.block_size)
+    metrics["accept_len_selector_sum"] = acceptance_length_sum(rows, correct, valid)
+    return sel_sum
 
 
 def _block_loss(h, y, w, rows, blocks: Blocks, batch, head: TargetHead, cfg: ObjectiveConfig, naive: bool):
