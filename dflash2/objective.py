@@ -222,13 +222,11 @@ def _chunk_ce(hidden, weight, bias, labels, row_weights, multiplier, cap, top_k,
     return loss, ids
 
 
-def _transformed_logits(hidden, weight, bias, multiplier, cap, need_grad):
-    """u = transform(h W^T + b) in one fp32 [rows, V] buffer, and d u / d z when a softcap needs it
-    (else None). The transform is models.draft.transform_logits (multiply, then softcap), in place."""
-    # z = h W^T + b in the head's dtype, then fp32: logsumexp over V and the softmax below need it
-    with region("head_matmul"):  # the objective's floor: timed when the loop breaks a step down
-        u = F.linear(hidden, weight, bias)
-    u = u.float()
+def _transformed_logits(hidden, weight, bias, multiplier, cap, need_grad, out=None):
+    """u = transform(h W^T + b) in one fp32 [rows, V] buffer (`out` when given), and d u / d z when a
+    softcap needs it (else None). The transform is models.draft.transform_logits (multiply, then
+    softcap), in place."""
+    u = _head_logits(hidden, weight, bias, out)
     if multiplier != 1.0:
         u.mul_(multiplier)
     du_dz = None
@@ -239,6 +237,19 @@ def _transformed_logits(hidden, weight, bias, multiplier, cap, need_grad):
             du_dz = (u * u).neg_().add_(1).mul_(multiplier)  # m (1 - t^2)
         u.mul_(cap)
     return u, du_dz
+
+
+def _head_logits(hidden, weight, bias, out=None) -> torch.Tensor:
+    """z = h W^T + b in the head's dtype, then fp32 (logsumexp over V and the softmax need it); into
+    `out` [rows, V] fp32 when given, which spares a fresh allocation (and its page faults) per chunk."""
+    with region("head_matmul"):  # the objective's floor: timed when the loop breaks a step down
+        if out is None:
+            return F.linear(hidden, weight, bias).float()
+        if weight.dtype != torch.float32:
+            return out.copy_(F.linear(hidden, weight, bias))
+        if bias is None:
+            return torch.mm(hidden, weight.t(), out=out)
+        return torch.addmm(bias, hidden, weight.t(), out=out)
 
 
 def _grad_to_hidden(d, du_dz, multiplier, weight, grad_out) -> None:
@@ -299,7 +310,7 @@ class DistillSums:
 
     loss: torch.Tensor  # sum_r w_r (ce_weight CE_r + kl_weight KL_r + tv_weight TV_r)
     ce: torch.Tensor  # sum_r w_r CE_r
-    kl: torch.Tensor  # sum_r w_r KL(p_r || q_r)
+    kl: torch.Tensor  # sum_r w_r KL(p_r || q_r); 0 (not computed) when kl_weight is 0
     tv: torch.Tensor  # sum_r w_r TV(p_r, q_r)
     topk_ids: torch.Tensor  # [R, k] the draft's top-k (of its transformed logits)
     tv_rows: torch.Tensor  # [R] TV(p_r, q_r): 1 - the chance that lossless sampling accepts slot r
@@ -310,10 +321,11 @@ class _ChunkedDistill(torch.autograd.Function):
 
     Row r's teacher is p_r = softmax(head(s_i) / T) for the target's final-normed last hidden state
     s_i = teacher_states[teacher_index[r]]; its draft distribution is q_r = softmax(u_r), u_r the
-    transformed logits of hidden[r]. A chunk holds rows_per_chunk rows of u, of p (computed once per
-    distinct teacher position of the chunk) and one work buffer: the same number of [*, V] fp32 rows as
-    a CE chunk of `chunk_rows`. The gradient w.r.t. hidden is computed in the forward; the teacher
-    side is frozen.
+    transformed logits of hidden[r]. A chunk of `rows` rows works in three [rows, V] fp32 buffers,
+    allocated once for all chunks (reused, they cost no fresh pages per chunk): the draft's logits,
+    the teacher's logits (one row per distinct teacher position of the chunk) then its probabilities
+    per row, and a work buffer (a softcap adds one for d u / d z). The gradient w.r.t. hidden is
+    computed in the forward; the teacher side is frozen.
     """
 
     @staticmethod
@@ -324,6 +336,7 @@ class _ChunkedDistill(torch.autograd.Function):
         grad = torch.zeros_like(hidden) if need_grad else None
         sums = hidden.new_zeros(4, dtype=torch.float32)  # loss, ce, kl, tv
         topk_ids, tv_rows = [], []
+        buffers = hidden.new_empty((3, min(rows, hidden.shape[0]), weight.shape[0]), dtype=torch.float32)
         for start in range(0, hidden.shape[0], rows):
             sl = slice(start, start + rows)
             positions, inverse = torch.unique(teacher_index[sl], return_inverse=True)
@@ -333,10 +346,10 @@ class _ChunkedDistill(torch.autograd.Function):
                 bias,
                 labels[sl],
                 row_weights[sl],
-                teacher_states[positions],
-                inverse,
+                (teacher_states[positions], inverse),
                 terms,
                 top_k,
+                buffers[:, : len(inverse)],
                 grad[sl] if need_grad else None,
             )
             sums += chunk_sums
@@ -355,30 +368,28 @@ class _ChunkedDistill(torch.autograd.Function):
         return grad * grad_loss, *([None] * 9)
 
 
-def _rowdot(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """[r, V] . [r, V] -> [r]: sum_j a_ij b_ij as a batched matrix-vector product (no [r, V] product)."""
-    return torch.bmm(a[:, None, :], b[:, :, None])[:, 0, 0]
-
-
-def _teacher_probs(states, weight, bias, temperature, inverse):
-    """p = softmax((s W^T + b) / T) of the distinct teacher states [u, H], then gathered to the chunk's
-    rows ([r, V]), and sum_j p_j log p_j per row ([r])."""
-    with region("head_matmul"):
-        t = F.linear(states, weight, bias)
-    t = t.float()
+def _teacher_probs(teacher, weight, bias, temperature, neg_p_out, work, with_entropy):
+    """-p = -softmax((s W^T + b) / T) of the chunk's distinct teacher states, gathered to its rows into
+    `neg_p_out` [r, V] (negated: the caller adds q to it in one pass); returns sum_j p_j log p_j per
+    row [r] when `with_entropy` (else None). `teacher` = (states [u, H], inverse [r]: each row's index
+    among them); `work` [r, V] is scratch (u <= r)."""
+    states, inverse = teacher
+    t = _head_logits(states, weight, bias, out=neg_p_out[: len(states)])  # dead before neg_p_out is written
     if temperature != 1.0:
         t.div_(temperature)
-    t.sub_(t.amax(dim=-1, keepdim=True))  # log p + log total
-    e = t.exp()
+    t.sub_(t.amax(dim=-1, keepdim=True))  # t - max: log p + log total
+    e = torch.exp(t, out=work[: len(states)])
     total = e.sum(dim=-1)
-    neg_entropy = _rowdot(e, t) / total - total.log()  # sum p log p = sum p (t - max) - log total
+    neg_entropy = None
+    if with_entropy:  # sum p log p = sum p (t - max) - log total
+        neg_entropy = (t.mul_(e).sum(dim=-1) / total - total.log())[inverse]
     del t
-    p = e.div_(total[:, None])
-    return p.index_select(0, inverse), neg_entropy[inverse]
+    torch.index_select(e.div_(total.neg()[:, None]), 0, inverse, out=neg_p_out)
+    return neg_entropy
 
 
 def _chunk_distill(
-    hidden, weight, bias, labels, row_weights, states, inverse, terms: LossTerms, top_k, grad_out
+    hidden, weight, bias, labels, row_weights, teacher, terms: LossTerms, top_k, buffers, grad_out
 ):
     """One chunk of _ChunkedDistill: (sums [4] = loss, ce, kl, tv; top-k ids; TV per row).
 
@@ -386,32 +397,36 @@ def _chunk_distill(
     d/du_i = q_i (s_i - sum_j q_j s_j) with s = 0.5 sign(q - p). CE: d/du = q - one_hot(y).
     """
     ce_w, kl_w, tv_w = terms.ce_weight, terms.kl_weight, terms.tv_weight
-    u, du_dz = _transformed_logits(hidden, weight, bias, terms.multiplier, terms.cap, grad_out is not None)
+    logits, neg_p, work = buffers
+    u, du_dz = _transformed_logits(
+        hidden, weight, bias, terms.multiplier, terms.cap, grad_out is not None, out=logits
+    )
     gold = u.gather(1, labels[:, None])[:, 0]
     top = torch.topk(u, top_k, dim=-1)
     ids, row_max = top.indices, top.values[:, 0]
-    p, neg_entropy = _teacher_probs(states, weight, bias, terms.temperature, inverse)
-    p_dot_u = _rowdot(p, u)  # before u turns into q
-    q = u.sub_(row_max[:, None]).exp_()
-    total = q.sum(dim=-1)
-    lse = row_max + total.log()
-    q.div_(total[:, None])
-    diff = torch.sub(q, p, out=p)  # q - p, in p's buffer
-    ce, kl = lse - gold, neg_entropy - p_dot_u + lse
+    neg_entropy = _teacher_probs(teacher, weight, bias, terms.temperature, neg_p, work, kl_w > 0)
+    if kl_w:  # KL's value costs two passes over [r, V]: only when it is in the loss
+        p_dot_u = -torch.mul(neg_p, u, out=work).sum(dim=-1)  # before u turns into exp(u - max)
+    exp_u = u.sub_(row_max[:, None]).exp_()  # q = exp_u / total, never written out
+    total = exp_u.sum(dim=-1)
+    lse, inv_total = row_max + total.log(), total.reciprocal()
+    diff = neg_p.addcmul_(exp_u, inv_total[:, None])  # q - p, in p's buffer
+    ce, kl = lse - gold, (neg_entropy - p_dot_u + lse) if kl_w else torch.zeros_like(lse)
     tv = (0.5 * torch.linalg.vector_norm(diff, ord=1, dim=-1)).clamp_(max=1.0)  # rounding can pass 1
     w = row_weights
     parts = torch.stack([(w * ce).sum(), (w * kl).sum(), (w * tv).sum()])
     loss = ce_w * parts[0] + kl_w * parts[1] + tv_w * parts[2]
     if grad_out is not None:
-        d = q  # the gradient d loss / d u takes q's buffer
+        d = exp_u  # the gradient d loss / d u takes the logits' buffer
         if tv_w:
-            sign = diff.sign() if kl_w else diff.sign_()
-            c = _rowdot(q, sign)  # 2 sum_j q_j s_j
-            # w (ce_w + tv_w (0.5 sign - 0.5 c)): the factor of q in every term but KL's
-            d.mul_(sign.mul_((0.5 * tv_w * w)[:, None]).add_((w * (ce_w - 0.5 * tv_w * c))[:, None]))
-            del sign
+            # exp_u_j sign(q_j - p_j) (a tie takes either sign: both are subgradients of |.|)
+            signed = torch.copysign(exp_u, diff, out=work)
+            c = signed.sum(dim=-1) * inv_total  # sum_j q_j sign_j = 2 sum_j q_j s_j
+            # w ce_w q + w tv_w q (0.5 sign - 0.5 c): CE's and TV's terms, both proportional to q
+            d.mul_((w * (ce_w - 0.5 * tv_w * c) * inv_total)[:, None])
+            d.addcmul_(signed, (0.5 * tv_w * w * inv_total)[:, None])
         else:
-            d.mul_((w * ce_w)[:, None])
+            d.mul_((w * ce_w * inv_total)[:, None])
         if kl_w:
             d.addcmul_(diff, (w * kl_w)[:, None])
         if ce_w:
@@ -425,7 +440,7 @@ def distill_loss(
 ):
     """hidden [R, H] draft rows, teacher_states [P, H] the target's final-normed last hidden states,
     teacher_index [R] each row's teacher position in them -> DistillSums. A chunk holds a third of
-    `chunk_rows` rows: its draft logits, the teacher's probabilities and one work buffer."""
+    `chunk_rows` rows: its three [rows, V] buffers take what one cross-entropy chunk does."""
     loss, parts, ids, tv = _ChunkedDistill.apply(
         hidden,
         head.lm_head_weight,
@@ -549,7 +564,6 @@ def compute_objective(
     rows = weights > 0
     slot = torch.arange(1, block_size, device=rows.device).expand_as(rows)[rows] - 1  # [R], 0-based k-1
     h, y, w, pred = hidden[rows], labels[rows], weights[rows], predecessors[rows]
-    multiplier, cap = cfg.output_multiplier, cfg.softcap
     selector = getattr(model, "candidate_selector", None)
 
     base_sum, topk_ids, metrics = _block_loss(h, y, w, rows, blocks, batch, head, cfg, naive)
@@ -562,18 +576,24 @@ def compute_objective(
     loss_sum = base_sum
     if selector is not None:
         scores, gold_index, in_topk = selector_scores(
-            selector, h, head, topk_ids, y, pred, multiplier, cap, cfg.selector_mode
+            selector, h, head, topk_ids, y, pred, cfg.output_multiplier, cfg.softcap, cfg.selector_mode
         )
-        sel_w = w if cfg.selector_mode == "insert" else w * in_topk
-        sel_sum = (sel_w * F.cross_entropy(scores, gold_index, reduction="none")).sum()
+        sel_sum = _selector_loss(scores, gold_index, in_topk, w, slot, rows, valid, cfg, metrics)
         loss_sum = loss_sum + cfg.selector_loss_alpha * sel_sum
-        metrics["selector_loss_sum"] = sel_sum.detach()
-        metrics["selector_weight_sum"] = sel_w.sum().detach()
-        # The greedy walk's pick under the teacher-forced predecessor, over the original top-k.
-        correct = in_topk & (scores.argmax(-1) == gold_index)
-        metrics["slot_selector_correct"] = _per_slot(slot, correct, block_size)
-        metrics["accept_len_selector_sum"] = acceptance_length_sum(rows, correct, valid)
     return ObjectiveOutput(loss_sum=loss_sum, weight_sum=weights.sum(), metrics=metrics)
+
+
+def _selector_loss(scores, gold_index, in_topk, w, slot, rows, valid, cfg, metrics) -> torch.Tensor:
+    """sum(w_sel * CE(scores, gold index)); its metric sums go into `metrics`."""
+    sel_w = w if cfg.selector_mode == "insert" else w * in_topk
+    sel_sum = (sel_w * F.cross_entropy(scores, gold_index, reduction="none")).sum()
+    metrics["selector_loss_sum"] = sel_sum.detach()
+    metrics["selector_weight_sum"] = sel_w.sum().detach()
+    # The greedy walk's pick under the teacher-forced predecessor, over the original top-k.
+    correct = in_topk & (scores.argmax(-1) == gold_index)
+    metrics["slot_selector_correct"] = _per_slot(slot, correct, cfg.block_size)
+    metrics["accept_len_selector_sum"] = acceptance_length_sum(rows, correct, valid)
+    return sel_sum
 
 
 def _block_loss(h, y, w, rows, blocks: Blocks, batch, head: TargetHead, cfg: ObjectiveConfig, naive: bool):
@@ -597,7 +617,9 @@ def _block_loss(h, y, w, rows, blocks: Blocks, batch, head: TargetHead, cfg: Obj
             top_k,
         )
         base_sum, topk_ids = teacher.loss, teacher.topk_ids
-        metrics.update(ce_loss_sum=teacher.ce, kl_loss_sum=teacher.kl, tv_loss_sum=teacher.tv)
+        metrics.update(ce_loss_sum=teacher.ce, tv_loss_sum=teacher.tv)
+        if cfg.kl_weight > 0:
+            metrics["kl_loss_sum"] = teacher.kl
         if cfg.distill_temperature == 1.0:  # the sampling acceptance is at temperature 1
             metrics["accept_len_sampled_sum"] = acceptance_length_sum(rows, 1 - teacher.tv_rows, valid)
     else:

@@ -59,12 +59,7 @@ class TrainLogger:
                 line += f" (est {summary['est_accept_len']:.2f}/{summary['est_accept_len_selector']:.2f})"
             else:
                 line += f" | tau {summary['insample_accept_len']:.2f} (est {summary['est_accept_len']:.2f})"
-            if "kl_loss" in summary:  # the terms against the target's distribution, and sampling's tau
-                line += (
-                    f" | ce/kl/tv {summary['ce_loss']:.3f}/{summary['kl_loss']:.3f}/{summary['tv_loss']:.3f}"
-                )
-            if "insample_accept_len_sampled" in summary:
-                line += f" | tau sampled {summary['insample_accept_len_sampled']:.2f}"
+            line += distill_terms(summary)
             line += (
                 f" | lr {timing['lr']:.2e} | {scalars['tokens_per_s']:.0f} tok/s"
                 f" | capture {100 * scalars['capture_fraction']:.0f}%"
@@ -78,6 +73,17 @@ class TrainLogger:
             self.jsonl.close()
         if self.bar is not None:
             self.bar.close()
+
+
+def distill_terms(summary: dict[str, float]) -> str:
+    """The console's part for a run with the target's distribution: each loss term, sampling's tau."""
+    if "tv_loss" not in summary:  # no teacher: the loss is the cross-entropy alone
+        return ""
+    terms = [name for name in ("ce", "kl", "tv") if f"{name}_loss" in summary]
+    line = f" | {'/'.join(terms)} " + "/".join(f"{summary[f'{name}_loss']:.3f}" for name in terms)
+    if "insample_accept_len_sampled" in summary:
+        line += f" | tau sampled {summary['insample_accept_len_sampled']:.2f}"
+    return line
 
 
 def trim_metrics(path: Path, last_step: int) -> None:

@@ -84,3 +84,21 @@ def test_bad_anchor_count_is_a_clear_error():
     spec.loader.exec_module(module)
     with pytest.raises(ValueError, match=r"--anchors \[48\].*raise --seq-len"):
         module.parse_args([*TINY, "--anchors", "48"])
+
+
+def test_kl_and_tv_variants_are_measured_against_the_chunked_step(tmp_path):
+    out = tmp_path / "report.json"
+    proc = run_benchmark(tmp_path, "--anchors", "4", "--variants", "chunked", "kl", "tv", "--json", str(out))
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    by_variant = {r["variant"]: r for r in report["results"]}
+    assert set(by_variant) == {"chunked", "kl", "tv"}
+    ratios = report["summary"]["distill_vs_chunked"]["4"]
+    for variant in ("kl", "tv"):
+        want = by_variant[variant]["step_time_s"] / by_variant["chunked"]["step_time_s"]
+        assert ratios[variant]["time_ratio"] == pytest.approx(want)
+        # the same anchors and supervised slots: only the loss differs
+        assert (
+            by_variant[variant]["supervised_tokens_per_step"]
+            == by_variant["chunked"]["supervised_tokens_per_step"]
+        )
