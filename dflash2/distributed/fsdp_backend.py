@@ -15,9 +15,10 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dflash2.config import OptimConfig
-from dflash2.distributed.base import Backend, build_optimizer, sharded_block_types
+from dflash2.distributed.base import Backend, sharded_block_types
 from dflash2.distributed.sharded_load import load_sharded_target
 from dflash2.models.target_head import TargetHead, head_tensors
+from dflash2.optim import build_optimizer, step_optimizer
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:
@@ -53,11 +54,14 @@ class FSDPBackend(Backend):
                 fully_shard(module, **kwargs)
         fully_shard(model, **kwargs)
 
+    def _param_numel(self, param: torch.Tensor) -> tuple[int, int]:
+        if isinstance(param, DTensor):  # FSDP2 shard
+            return param.to_local().numel(), param.numel()
+        return super()._param_numel(param)
+
     # ---- target -------------------------------------------------------------------------------------
 
-    def load_target(self, target_dir: str, dtype: torch.dtype) -> nn.Module:
-        if dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"target dtype must be float32 or bfloat16 (fp16 is unsupported), got {dtype}")
+    def _load_target(self, target_dir: str, dtype: torch.dtype) -> nn.Module:
         # built on the meta device and sharded first: each rank reads only its own shards from disk
         return load_sharded_target(target_dir, dtype, self.device, self._shard_target)
 
@@ -111,12 +115,9 @@ class FSDPBackend(Backend):
         self._check_micro_step(self._micro_steps)
         params = [p for p in draft.parameters() if p.requires_grad]
         grad_norm = _full(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        lr = step_optimizer(self.optimizer, self.scheduler)
         self._micro_steps = 0
-        return {"grad_norm": float(grad_norm), "lr": float(lr)}
+        return {"grad_norm": float(grad_norm), "lr": lr}
 
     # ---- state --------------------------------------------------------------------------------------
 
