@@ -3,10 +3,12 @@ names) or LocalBackend (one process, no process group)."""
 
 from dflash2.distributed.base import Backend, RankLayout
 from dflash2.distributed.env import build_backend, init_distributed, shutdown_distributed
+from dflash2.distributed.local_backend import LocalBackend
 from dflash2.distributed.registry import backend_class
 
 __all__ = [
     "Backend",
+    "LocalBackend",
     "RankLayout",
     "backend_class",
     "build_backend",
