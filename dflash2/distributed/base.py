@@ -31,6 +31,9 @@ def sharded_block_types(model: nn.Module) -> tuple[str, ...]:
     return tuple(getattr(model, "_no_split_modules", None) or ())
 
 
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}  # bytes per element of each precision name of the run config
+
+
 @dataclass(frozen=True)
 class ParamCounts:
     """Parameter counts of a model, by the units the backends shard and gather.
@@ -200,6 +203,30 @@ class Backend(ABC):
             names = " or ".join(str(d).removeprefix("torch.") for d in self.target_dtypes)
             raise ValueError(f"target dtype must be {names} (fp16 is unsupported), got {dtype}")
         return self._load_target(target_dir, dtype)
+
+    # ---- the planner's arithmetic (class methods: dflash2.plan, on the meta device) ----------------
+
+    @classmethod
+    def plan_offload(cls, cfg: RunConfig) -> tuple[bool, bool]:
+        """(parameters, optimizer state) offloaded to the host by this backend's settings."""
+        return False, False
+
+    @classmethod
+    def plan_note(cls, offload: tuple[bool, bool]) -> str:
+        """What the plan's header says of this backend's settings."""
+        return ""
+
+    @classmethod
+    def plan_draft_state(
+        cls, counts: ParamCounts, precision: str, num_shards: int, offload: tuple[bool, bool]
+    ) -> list[MemoryItem]:
+        """Parameters, gradients and AdamW state of the draft, sharded over `num_shards` ranks."""
+        raise NotImplementedError(f"backend {cls.name!r} has no memory plan")
+
+    @classmethod
+    def plan_gathered(cls, counts: ParamCounts, dtype_bytes: int, with_grads: bool) -> tuple[float, str]:
+        """Bytes of parameters held unsharded at the peak of a forward/backward, and how."""
+        raise NotImplementedError(f"backend {cls.name!r} has no memory plan")
 
     @abstractmethod
     def _load_target(self, target_dir: str, dtype: torch.dtype) -> nn.Module:

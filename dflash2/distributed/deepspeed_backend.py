@@ -16,7 +16,7 @@ from torch import nn
 
 from dflash2.config import OptimConfig
 from dflash2.distributed import state_io
-from dflash2.distributed.base import Backend, RankLayout
+from dflash2.distributed.base import DTYPE_BYTES, Backend, MemoryItem, ParamCounts, RankLayout
 from dflash2.distributed.ds_config import resolve_ds_config, set_ds_value
 from dflash2.distributed.env import check_build_locks
 from dflash2.models.target_head import TargetHead, head_tensors
@@ -114,6 +114,55 @@ class DeepSpeedBackend(Backend):
             target_group=target_group,
             draft_group=draft_group,
         )
+
+    @classmethod
+    def plan_offload(cls, cfg: RunConfig) -> tuple[bool, bool]:
+        """(offload_param, offload_optimizer) from the DeepSpeed JSON."""
+        path = Path(cfg.ds_config)
+        if not path.is_file():
+            raise ValueError(f"ds_config {cfg.ds_config!r} does not exist; set ds_config to a DeepSpeed JSON")
+        zero = json.loads(path.read_text()).get("zero_optimization", {})
+
+        def offloaded(key: str) -> bool:
+            return zero.get(key, {}).get("device", "none") in ("cpu", "nvme")
+
+        return offloaded("offload_param"), offloaded("offload_optimizer")
+
+    @classmethod
+    def plan_note(cls, offload: tuple[bool, bool]) -> str:
+        return f" (offload param={offload[0]}, optimizer={offload[1]})"
+
+    @classmethod
+    def plan_draft_state(
+        cls, counts: ParamCounts, precision: str, num_shards: int, offload: tuple[bool, bool]
+    ) -> list[MemoryItem]:
+        numel, act, fp32 = counts.total / num_shards, DTYPE_BYTES[precision], DTYPE_BYTES["fp32"]
+        params_where = "cpu" if offload[0] else "gpu"
+        optim_where = "cpu" if offload[1] else "gpu"
+        per = f"{counts.total / 1e9:.3f} B / {num_shards}"
+        if precision == "fp32":
+            return [
+                MemoryItem("draft parameters", numel * fp32, f"{per}, fp32 partitions", params_where),
+                MemoryItem("draft gradients", numel * fp32, f"{per}, fp32 partitions", optim_where),
+                MemoryItem(
+                    "draft optimizer state", numel * 2 * fp32, "AdamW exp_avg + exp_avg_sq", optim_where
+                ),
+            ]
+        return [
+            MemoryItem("draft parameters", numel * act, f"{per}, bf16 partitions", params_where),
+            MemoryItem("draft gradients", numel * act, f"{per}, bf16 partitions"),
+            MemoryItem(
+                "draft fp32 gradients (step)", numel * fp32, "fp32 copy of the partition", optim_where
+            ),
+            MemoryItem(
+                "draft optimizer state", numel * 3 * fp32, "fp32 master + exp_avg + exp_avg_sq", optim_where
+            ),
+        ]
+
+    @classmethod
+    def plan_gathered(cls, counts: ParamCounts, dtype_bytes: int, with_grads: bool) -> tuple[float, str]:
+        numel = max(counts.largest_module, 2 * counts.largest_block)
+        return numel * dtype_bytes, "largest of one module / 2 blocks (compute + prefetch)"
 
     def _param_numel(self, param: torch.Tensor) -> tuple[int, int]:
         if hasattr(param, "ds_tensor"):  # ZeRO-3 partitioned parameter

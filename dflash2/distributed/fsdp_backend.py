@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dflash2.config import OptimConfig
-from dflash2.distributed.base import Backend, sharded_block_types
+from dflash2.distributed.base import DTYPE_BYTES, Backend, MemoryItem, ParamCounts, sharded_block_types
 from dflash2.distributed.sharded_load import load_sharded_target
 from dflash2.models.target_head import TargetHead, head_tensors
 from dflash2.optim import build_optimizer, step_optimizer
@@ -53,6 +53,30 @@ class FSDPBackend(Backend):
             if type(module).__name__ in block_types:
                 fully_shard(module, **kwargs)
         fully_shard(model, **kwargs)
+
+    @classmethod
+    def plan_draft_state(
+        cls, counts: ParamCounts, precision: str, num_shards: int, offload: tuple[bool, bool]
+    ) -> list[MemoryItem]:
+        # fp32 sharded parameters are the master weights; bf16 exists only as gathered compute copies
+        numel, fp32 = counts.total / num_shards, DTYPE_BYTES["fp32"]
+        per = f"{counts.total / 1e9:.3f} B / {num_shards}"
+        return [
+            MemoryItem("draft parameters", numel * fp32, f"{per}, fp32 shards"),
+            MemoryItem("draft gradients", numel * fp32, f"{per}, fp32 shards"),
+            MemoryItem("draft optimizer state", numel * 2 * fp32, "AdamW exp_avg + exp_avg_sq, fp32"),
+        ]
+
+    @classmethod
+    def plan_gathered(cls, counts: ParamCounts, dtype_bytes: int, with_grads: bool) -> tuple[float, str]:
+        # FSDP2 keeps the root unit unsharded after forward; one block computes while the next prefetches.
+        numel = counts.root + 2 * counts.largest_block
+        # unsharded grads before reduce-scatter
+        grads = counts.largest_block * DTYPE_BYTES["fp32"] if with_grads else 0
+        note = "root unit + 2 blocks (compute + prefetch)" + (
+            " + one block's fp32 grads" if with_grads else ""
+        )
+        return numel * dtype_bytes + grads, note
 
     def _param_numel(self, param: torch.Tensor) -> tuple[int, int]:
         if isinstance(param, DTensor):  # FSDP2 shard
