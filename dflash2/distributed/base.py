@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 from dflash2.config import BACKENDS, OptimConfig
 from dflash2.distributed import state_io
-from dflash2.models.target_head import TargetHead
+from dflash2.target.head import TargetHead
 
 
 def sharded_block_types(model: nn.Module) -> tuple[str, ...]:

@@ -19,8 +19,8 @@ from dflash2.distributed import state_io
 from dflash2.distributed.base import DTYPE_BYTES, Backend, MemoryItem, ParamCounts, RankLayout
 from dflash2.distributed.ds_config import resolve_ds_config, set_ds_value
 from dflash2.distributed.env import check_build_locks
-from dflash2.models.target_head import TargetHead, head_tensors
 from dflash2.optim import build_optimizer
+from dflash2.target.head import TargetHead, head_tensors
 
 if TYPE_CHECKING:
     import deepspeed

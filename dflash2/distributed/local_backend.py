@@ -13,9 +13,9 @@ from torch import nn
 
 from dflash2.config import OptimConfig
 from dflash2.distributed.base import Backend, RankLayout
-from dflash2.distributed.sharded_load import load_full_target
-from dflash2.models.target_head import TargetHead
 from dflash2.optim import build_optimizer, step_optimizer
+from dflash2.target.head import TargetHead
+from dflash2.target.load import load_full_target
 
 if TYPE_CHECKING:
     from dflash2.config import RunConfig

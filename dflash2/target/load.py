@@ -1,4 +1,4 @@
-"""A frozen Hugging Face target for FSDP2 without a full copy per rank.
+"""A frozen Hugging Face target: for FSDP2 without a full copy per rank, or whole (load_full_target).
 
 The model is built on the meta device (no memory), sharded with `fully_shard`, given empty local
 shards, and each rank then reads only its own rows of every tensor from the safetensors files. The
@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from dflash2.hf_weights import target_tensor_files
+from dflash2.target.files import target_tensor_files
 
 READ_BLOCK_BYTES = 16 << 20  # host memory in flight per read, whatever the tensor's size
 # safetensors dtype names (https://github.com/huggingface/safetensors, format.md)
