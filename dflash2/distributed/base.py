@@ -1,4 +1,5 @@
-"""The one interface between the training loop and a distribution backend (ZeRO-3 or FSDP2).
+"""The one interface between the training loop and a distribution backend (ZeRO-3, FSDP2, or one
+local process).
 
 The loop never asks which backend it has: it calls these methods on every rank, in the same order.
 """
@@ -18,12 +19,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-if TYPE_CHECKING:
-    from dflash2.config import RunConfig
-
 from dflash2.config import BACKENDS, OptimConfig
 from dflash2.distributed import state_io
 from dflash2.target.head import TargetHead
+
+if TYPE_CHECKING:
+    from dflash2.config import RunConfig
 
 
 def sharded_block_types(model: nn.Module) -> tuple[str, ...]:
