@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dflash2.config import OptimConfig
+from dflash2.config import OptimConfig, torch_dtype
 from dflash2.distributed import state_io
 from dflash2.distributed.base import DTYPE_BYTES, Backend, MemoryItem, ParamCounts, RankLayout
 from dflash2.distributed.ds_config import resolve_ds_config, set_ds_value
@@ -221,7 +221,7 @@ class DeepSpeedBackend(Backend):
         self.engine, *_ = _deepspeed().initialize(
             model=draft, optimizer=optimizer, lr_scheduler=scheduler, config=config, mpu=self.mpu
         )
-        self.compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        self.compute_dtype = torch_dtype(precision)
         return self.engine
 
     def _require_engine(self) -> deepspeed.DeepSpeedEngine:

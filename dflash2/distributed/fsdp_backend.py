@@ -14,7 +14,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from dflash2.config import OptimConfig
+from dflash2.config import OptimConfig, torch_dtype
 from dflash2.distributed.base import DTYPE_BYTES, Backend, MemoryItem, ParamCounts, sharded_block_types
 from dflash2.optim import build_optimizer, step_optimizer
 from dflash2.target.head import TargetHead, head_tensors
@@ -121,7 +121,7 @@ class FSDPBackend(Backend):
         self.draft = draft
         self.optimizer, self.scheduler = build_optimizer(draft, optim)
         self.max_grad_norm = optim.max_grad_norm
-        self.compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+        self.compute_dtype = torch_dtype(precision)
         return draft
 
     def _require_draft(self) -> nn.Module:
