@@ -2,7 +2,7 @@
 
 from dflash2.models.draft import DFlash2DraftModel, DFlashDraftModel
 from dflash2.models.registry import DRAFT_REGISTRY, build_draft, draft_class, load_draft
-from dflash2.models.target_head import TargetHead
+from dflash2.target.head import TargetHead
 
 __all__ = [
     "DRAFT_REGISTRY",

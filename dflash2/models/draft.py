@@ -23,7 +23,7 @@ from dflash2.models.config import default_target_layer_ids, draft_value, logit_t
 from dflash2.models.context_cache import DraftContextCache
 from dflash2.models.conv import AFTER, BEFORE, GroupedDynamicConv
 from dflash2.models.selector import CandidateSelector
-from dflash2.models.target_head import TargetHead
+from dflash2.target.head import TargetHead
 from dflash2.timing import region
 
 

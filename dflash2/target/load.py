@@ -1,4 +1,4 @@
-"""A frozen Hugging Face target for FSDP2 without a full copy per rank.
+"""A frozen Hugging Face target: for FSDP2 without a full copy per rank, or whole (load_full_target).
 
 The model is built on the meta device (no memory), sharded with `fully_shard`, given empty local
 shards, and each rank then reads only its own rows of every tensor from the safetensors files. The
@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from dflash2.hf_weights import target_tensor_files
+from dflash2.target.files import target_tensor_files
 
 READ_BLOCK_BYTES = 16 << 20  # host memory in flight per read, whatever the tensor's size
 # safetensors dtype names (https://github.com/huggingface/safetensors, format.md)
@@ -243,3 +243,12 @@ def init_non_persistent_buffers(model: nn.Module) -> None:
     for module in model.modules():  # set by the weight init at construction: let the pass run
         module._is_hf_initialized = False
     model.initialize_weights()
+
+
+def load_full_target(target_dir: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """The whole target in this process (no sharding): from_pretrained, frozen, eval(), on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype)
+    model.requires_grad_(False)
+    return model.eval().to(device)
