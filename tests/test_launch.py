@@ -310,7 +310,7 @@ def test_two_nodes_simulated_with_two_torchrun_agents(tiny_default, tmp_path):
         "--config", "configs/tiny-dflash2.yaml",
         f"model.target={tiny_default.target_dir}", f"data.train={tiny_subset(tiny_default, tmp_path, 64)}",
         "backend=fsdp", "train.max_steps=3", "train.save_every=0", "train.export=false",
-        "train.micro_batch_size=2", "train.progress_bar=false", f"output_dir={run_dir}",
+        "train.micro_batch_size=4", "train.progress_bar=false", f"output_dir={run_dir}",
     ]  # fmt: skip
     agents = []
     for node_rank in (0, 1):
@@ -333,7 +333,7 @@ def test_two_nodes_simulated_with_two_torchrun_agents(tiny_default, tmp_path):
         assert agent.returncode == 0, output[-4000:]
     checkpoint = run_dir / "checkpoints" / "step_00000003"
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == checkpoint.name
-    assert json.loads((checkpoint / "contract.json").read_text())["global_batch_size"] == 4  # 2 ranks x 2
+    assert json.loads((checkpoint / "contract.json").read_text())["global_batch_size"] == 8  # 2 ranks x 4
     assert {p.name for p in (checkpoint / "backend").glob("rank*.safetensors")} == {
         "rank00000.safetensors",
         "rank00001.safetensors",
