@@ -40,12 +40,12 @@ from dflash2.hf_weights import SINGLE_FILE, tensor_files
 from dflash2.models.config import (
     REQUIRED_BACKBONE_KEYS,
     draft_value,
-    expected_tensor_shapes,
     load_config_dict,
     normalize_draft_config,
     to_qwen3_config,
     validate_draft_config,
 )
+from dflash2.models.registry import expected_tensor_shapes
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = SINGLE_FILE
