@@ -45,7 +45,7 @@ from dflash2 import decode  # noqa: E402
 from dflash2.evaluate import encode_prompt, load_models, read_prompts  # noqa: E402
 from dflash2.models import TargetHead, build_draft  # noqa: E402
 from dflash2.models.config import default_target_layer_ids, load_config_dict  # noqa: E402
-from dflash2.target_state import use_decoding_layout  # noqa: E402
+from dflash2.target.state import use_decoding_layout  # noqa: E402
 from dflash2.timing import ITERATION, StepTimer  # noqa: E402
 
 TAUS = (1.5, 2.0, 3.0, 4.0)  # acceptance lengths the speedup is projected at

@@ -175,7 +175,9 @@ def part_limit(name: str, tiny: bool) -> float:
 
 
 def tiny_default_command() -> list[str]:
-    code = f"from dflash2.data.tiny_default import build_tiny_default; build_tiny_default({str(TINY_DIR)!r})"
+    code = (
+        f"from dflash2.fixtures.tiny_default import build_tiny_default; build_tiny_default({str(TINY_DIR)!r})"
+    )
     return [sys.executable, "-c", code]
 
 

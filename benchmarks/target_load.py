@@ -7,7 +7,7 @@ fresh `torchrun --nproc_per_node --ranks` job loads it with FSDP2:
   full       every rank runs `from_pretrained` (the whole target in host memory), then `fully_shard`
              keeps its shard: how the FSDP2 backend loaded targets before sharded loading
   sharded    `FSDPBackend.load_target`: built on the meta device, sharded, each rank reads its rows
-             of every tensor with plain file reads (dflash2.distributed.sharded_load)
+             of every tensor with plain file reads (dflash2.target.load)
   mmap       the same, but the rows are read by torch.distributed.checkpoint's Hugging Face reader
              (`dcp.load` with `HuggingFaceStorageReader`), which slices tensors through a memory map
   broadcast  built on meta and sharded; rank 0 runs `from_pretrained` and sends every rank its
@@ -111,7 +111,7 @@ def load(method: str, backend, target_dir: str):
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from transformers import AutoModelForCausalLM
 
-    from dflash2.distributed import sharded_load
+    from dflash2.target import load as sharded_load
 
     if method == "sharded":
         return backend.load_target(target_dir, torch.float32)

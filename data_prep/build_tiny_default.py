@@ -1,4 +1,4 @@
-"""Build the tiny default target, tokenizer and chat data (cached; see dflash2.data.tiny_default)."""
+"""Build the tiny default target, tokenizer and chat data (cached; see dflash2.fixtures.tiny_default)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from dflash2.data.tiny_default import build_tiny_default
 from dflash2.errors import add_debug_flag, run_main
+from dflash2.fixtures.tiny_default import build_tiny_default
 
 
 def main(argv: list[str] | None = None) -> int:

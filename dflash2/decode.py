@@ -9,7 +9,7 @@ One request at a time (batch size 1), as a server runs it:
         verify [anchor, proposals] with ONE target forward (its cached state, layer outputs)
         accept the longest correct prefix + one bonus token from the target
         append the committed positions' features to the draft's context cache; roll the target's
-        state back to them (attention KV, conv and recurrent states: dflash2.target_state)
+        state back to them (attention KV, conv and recurrent states: dflash2.target.state)
 
 Greedy (temperature 0): a proposal is accepted while it equals the target's argmax, so the output
 is exactly the target's own greedy decoding. Temperature > 0: lossless rejection sampling (accept x
@@ -41,7 +41,7 @@ from torch import nn
 from dflash2.models import TargetHead
 from dflash2.models.context_cache import DraftContextCache
 from dflash2.models.draft import DFlashDraftModel
-from dflash2.target_state import TargetState, new_cache
+from dflash2.target.state import TargetState, new_cache
 from dflash2.timing import StepTimer, region
 
 Clock = Callable[[], float]

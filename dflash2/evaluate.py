@@ -30,7 +30,7 @@ from dflash2.errors import add_debug_flag, run_main
 from dflash2.export import TRAINING_RUN_NAME, read_training_run
 from dflash2.models import TargetHead, load_draft
 from dflash2.models.draft import DFlashDraftModel
-from dflash2.target_state import use_decoding_layout
+from dflash2.target.state import use_decoding_layout
 
 # ------------------------------------------------------------------ prompts
 
@@ -76,7 +76,7 @@ def summarize(results: list[GenerationResult], block_size: int) -> dict:
         "position_acceptance_rate": position_rate,
         "target_forwards_per_token": forwards / generated if generated else 0.0,
         "plain_decoding_forwards_per_token": 1.0,
-        # recurrent targets only: re-feeding the kept tokens of partly rejected blocks (target_state.py)
+        # recurrent targets only: re-feeding the kept tokens of partly rejected blocks (target/state.py)
         "rollback_forwards_per_token": rollbacks / generated if generated else 0.0,
         "tokens_per_s": generated / wall if wall > 0 else 0.0,
         "wall_s": wall,
@@ -227,7 +227,7 @@ def load_models(
     decoding_layout: bool = True,
 ):
     """(draft, target, head, tokenizer) in eval mode, their weights laid out for decoding
-    (`dflash2.target_state.use_decoding_layout`) unless `decoding_layout` is False."""
+    (`dflash2.target.state.use_decoding_layout`) unless `decoding_layout` is False."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)

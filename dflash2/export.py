@@ -36,7 +36,6 @@ from dflash2.checkpoint import (
 )
 from dflash2.config import require_path, torch_dtype
 from dflash2.errors import add_debug_flag, run_main
-from dflash2.hf_weights import SINGLE_FILE, tensor_files
 from dflash2.models.config import (
     REQUIRED_BACKBONE_KEYS,
     draft_value,
@@ -46,8 +45,9 @@ from dflash2.models.config import (
     validate_draft_config,
 )
 from dflash2.models.registry import expected_tensor_shapes
+from dflash2.target.files import CONFIG_FILE, SINGLE_FILE, tensor_files
 
-CONFIG_NAME = "config.json"
+CONFIG_NAME = CONFIG_FILE
 WEIGHTS_NAME = SINGLE_FILE
 # What evaluation needs to know of the run that trained an export: {"step": int, "chat_template_kwargs": dict}
 # (either may be absent). A file of its own, so config.json stays exactly the contract.

@@ -19,7 +19,7 @@ from torch.nn import functional as F
 from dflash2.config import ObjectiveSection
 from dflash2.models.draft import transform_logits
 from dflash2.models.spec import DraftSpec
-from dflash2.models.target_head import TargetHead
+from dflash2.target.head import TargetHead
 from dflash2.timing import region
 
 

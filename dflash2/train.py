@@ -15,7 +15,6 @@ import torch
 from torch import nn
 
 from dflash2.capture.features import FeatureSource, split_last_hidden, target_features
-from dflash2.capture.head import load_target_head, target_num_parameters
 from dflash2.checkpoint import TrainState, check_resume, load_checkpoint, resume_point, save_checkpoint
 from dflash2.config import RunConfig, torch_dtype
 from dflash2.data.loader import anchor_generators, collate, micro_batches, pad_token_id_of
@@ -28,6 +27,7 @@ from dflash2.identity import data_identity, target_identity, tokenizer_identity
 from dflash2.models import TargetHead, build_draft
 from dflash2.models.config import draft_value, load_config_dict
 from dflash2.objective import ObjectiveConfig, compute_objective, plan_blocks, summarize_metrics
+from dflash2.target.head import load_target_head, target_num_parameters
 from dflash2.timing import StepTimer
 from dflash2.train_log import TrainLogger
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO))
 
 from tqdm import tqdm  # noqa: E402
 
-from dflash2.data.tiny_default import build_tiny_default  # noqa: E402
+from dflash2.fixtures.tiny_default import build_tiny_default  # noqa: E402
 
 
 def stage(number: int, total: int, title: str) -> None:

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash2.data.tiny_default import TinyDefault, build_tiny_default
 from dflash2.distributed.env import extensions_dir, stale_build_locks
 from dflash2.fixtures.smollm2 import SmolLM2, build_smollm2
+from dflash2.fixtures.tiny_default import TinyDefault, build_tiny_default
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash2.capture.head import load_target_head, target_num_parameters
 from dflash2.capture.offline import OfflineFeatures, feature_identity
 from dflash2.config import load_run_config
 from dflash2.data.loader import collate
+from dflash2.target.head import load_target_head, target_num_parameters
 from tests.run_helpers import REPO, TINY_CONFIG, check_ok, launch_train, metrics, run, tiny_subset, torchrun
 
 LAYER_IDS = [1, 3, 4]  # configs/draft/tiny-dflash2.json

@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from dflash2.capture.head import target_num_parameters
 from dflash2.capture.transfer import capture_schedule
 from dflash2.checkpoint import find_latest, read_train_state
 from dflash2.config import load_run_config
 from dflash2.errors import EXIT_STOPPED
 from dflash2.export import check_export
 from dflash2.run import check_capture_ranks
+from dflash2.target.head import target_num_parameters
 from tests.run_helpers import (
     REPO,
     TIMEOUT_S,

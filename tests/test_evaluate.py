@@ -204,7 +204,7 @@ def test_decoding_layout_keeps_values_and_greedy_output(architecture):
     logits are the original ones within fp32 rounding."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from dflash2.target_state import use_decoding_layout
+    from dflash2.target.state import use_decoding_layout
 
     target = build_target(seed=2)
     tied = Qwen3ForCausalLM(Qwen3Config(**{**target.config.to_dict(), "tie_word_embeddings": True})).eval()

@@ -11,8 +11,8 @@ import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash2.config import load_run_config
-from dflash2.data.tiny_default import TARGET_DIMS
 from dflash2.errors import EXIT_DOES_NOT_FIT, EXIT_USER_ERROR, run_main
+from dflash2.fixtures.tiny_default import TARGET_DIMS
 from dflash2.models import TargetHead, build_draft
 from dflash2.objective import ObjectiveConfig, compute_objective
 from dflash2.plan import (

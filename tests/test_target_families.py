@@ -29,11 +29,11 @@ from transformers import AutoModelForCausalLM
 
 from dflash2 import decode, plan
 from dflash2 import evaluate as ev
-from dflash2.capture import capture_layer_outputs
-from dflash2.capture.head import load_target_head
 from dflash2.fixtures.smollm2 import chat_prompt_ids
 from dflash2.models import TargetHead, build_draft
-from dflash2.target_state import TargetState
+from dflash2.target.head import load_target_head
+from dflash2.target.hooks import capture_layer_outputs
+from dflash2.target.state import TargetState
 from tests.dist_scripts.families import family_config, padded_batch
 from tests.draft_helpers import plain_greedy, randomize_
 from tests.run_helpers import REPO, TIMEOUT_S, metrics, run, tiny_subset, torchrun
@@ -257,7 +257,7 @@ def test_crop_alone_is_not_a_rollback(family_dirs):
     wrong = [name for name in expected if not torch.allclose(got[name], expected[name], atol=1e-3)]
     assert sorted(wrong) == sorted(name for name in expected if "recurrent_states" in name), wrong
 
-    from dflash2.target_state import new_cache
+    from dflash2.target.state import new_cache
 
     target = load_target(family_dirs["gpt_oss"])
     cache = new_cache(target)

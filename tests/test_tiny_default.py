@@ -6,7 +6,7 @@ import json
 
 import torch
 
-from dflash2.data.tiny_default import BuildParams, build_tiny_default
+from dflash2.fixtures.tiny_default import BuildParams, build_tiny_default
 
 EXPECTED_DIMS = {
     "hidden_size": 128,

@@ -17,8 +17,8 @@ from torch import nn
 
 from dflash2.config import OptimConfig
 from dflash2.distributed import state_io
-from dflash2.models.target_head import TargetHead
 from dflash2.schedule import lr_factor
+from dflash2.target.head import TargetHead
 
 ADAM_BETAS = (0.9, 0.95)
 ADAM_EPS = 1e-8

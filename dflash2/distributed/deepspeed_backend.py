@@ -24,7 +24,7 @@ from dflash2.config import OptimConfig
 from dflash2.distributed import deepspeed_groups, state_io
 from dflash2.distributed.base import Backend, build_optimizer
 from dflash2.distributed.ds_config import set_ds_value
-from dflash2.models.target_head import TargetHead, head_tensors
+from dflash2.target.head import TargetHead, head_tensors
 
 OPTIMIZER_KEYS = ("fp32", "exp_avg", "exp_avg_sq")  # fp32: the master weights
 

@@ -16,8 +16,8 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 
 from dflash2.config import OptimConfig
 from dflash2.distributed.base import Backend, build_optimizer, sharded_block_types
-from dflash2.distributed.sharded_load import load_sharded_target
-from dflash2.models.target_head import TargetHead, head_tensors
+from dflash2.target.head import TargetHead, head_tensors
+from dflash2.target.load import load_sharded_target
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

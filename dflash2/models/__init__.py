@@ -10,7 +10,7 @@ from dflash2.models.registry import (
     load_draft,
 )
 from dflash2.models.spec import DraftSpec
-from dflash2.models.target_head import TargetHead
+from dflash2.target.head import TargetHead
 
 __all__ = [
     "DRAFT_REGISTRY",

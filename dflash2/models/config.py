@@ -24,6 +24,8 @@ from typing import Any
 
 from transformers import Qwen3Config
 
+from dflash2.target.files import CONFIG_FILE
+
 NESTED_ONLY_KEYS = (
     "conv_kernel_size",
     "conv_group_size",
@@ -93,7 +95,7 @@ def load_config_dict(source: str | Path | dict) -> dict:
         return copy.deepcopy(source)
     path = Path(source)
     if path.is_dir():
-        path = path / "config.json"
+        path = path / CONFIG_FILE
     if not path.is_file():
         raise ValueError(f"config source {str(source)!r}: no such file; pass a config.json or its directory")
     with open(path) as f:

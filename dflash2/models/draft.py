@@ -26,7 +26,7 @@ from dflash2.models.context_cache import DraftContextCache
 from dflash2.models.conv import AFTER, BEFORE, GroupedDynamicConv
 from dflash2.models.selector import CandidateSelector
 from dflash2.models.spec import ConvSpec, DraftSpec
-from dflash2.models.target_head import TargetHead
+from dflash2.target.head import TargetHead
 from dflash2.timing import region
 
 

@@ -20,6 +20,7 @@ from dflash2.models.config import (
 )
 from dflash2.models.draft import DFlash2DraftModel, DFlashDraftModel
 from dflash2.models.spec import DraftSpec
+from dflash2.target.files import SINGLE_FILE
 
 DRAFT_REGISTRY: dict[str, type[DFlashDraftModel]] = {
     cls.architecture.name: cls for cls in (DFlashDraftModel, DFlash2DraftModel)
@@ -81,7 +82,7 @@ def load_draft(export_dir: str | Path, dtype: torch.dtype | None = None) -> DFla
     are errors: the servers would silently drop or zero them."""
     export_dir = Path(export_dir)
     draft = build_draft(export_dir)
-    state = load_file(str(export_dir / "model.safetensors"))
+    state = load_file(str(export_dir / SINGLE_FILE))
     state = {k.removeprefix("model."): v for k, v in state.items()}
     expected = draft.state_dict()
     missing = sorted(set(expected) - set(state))

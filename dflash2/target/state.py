@@ -26,8 +26,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from dflash2.capture import capture_layer_outputs
-from dflash2.models import TargetHead
+from dflash2.target.head import TargetHead
+from dflash2.target.hooks import capture_layer_outputs
 
 
 def use_decoding_layout(*modules: nn.Module) -> None:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from safetensors import safe_open
 
+CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 

@@ -26,7 +26,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from dflash2.hf_weights import target_tensor_files
+from dflash2.target.files import target_tensor_files
 
 READ_BLOCK_BYTES = 16 << 20  # host memory in flight per read, whatever the tensor's size
 # safetensors dtype names (https://github.com/huggingface/safetensors, format.md)
