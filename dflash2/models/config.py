@@ -485,7 +485,7 @@ def _config_file(config: Any, unknown: str) -> str:
     where = getattr(config, "name_or_path", None) if not isinstance(config, (str, Path)) else config
     if not where:
         return unknown
-    return str(Path(where) / "config.json") if Path(where).is_dir() else str(where)
+    return str(Path(where) / CONFIG_FILE) if Path(where).is_dir() else str(where)
 
 
 def _check_target(cfg: dict, target_config: Any, problems: list[str], source: Any = None) -> None:
