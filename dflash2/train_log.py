@@ -20,6 +20,7 @@ class TrainLogger:
         from torch.utils.tensorboard import SummaryWriter
 
         self.tb_dir = run_dir / "tb"
+        run_dir.mkdir(parents=True, exist_ok=True)  # a run started from Python has no launcher to make it
         # Both logs keep only the steps up to the one resumed from: the steps a crash cut short are
         # trained again, and neither log doubles back.
         trim_metrics(run_dir / "metrics.jsonl", start_step)
