@@ -39,12 +39,12 @@ from dflash2.errors import add_debug_flag, run_main
 from dflash2.models.config import (
     REQUIRED_BACKBONE_KEYS,
     draft_value,
-    expected_tensor_shapes,
     load_config_dict,
     normalize_draft_config,
     to_qwen3_config,
     validate_draft_config,
 )
+from dflash2.models.registry import expected_tensor_shapes
 from dflash2.target.files import CONFIG_FILE, SINGLE_FILE, tensor_files
 
 CONFIG_NAME = CONFIG_FILE
