@@ -37,7 +37,9 @@ def taken(stream, count) -> list[tuple[int, int, list[list[int]]]]:
     return [(s.epoch, s.step_in_epoch, s.micro) for s in steps]
 
 
-@pytest.mark.parametrize("batch_size, accum, num_ranks", [(1, 1, 1), (4, 1, 1), (2, 3, 1), (2, 2, 2), (1, 4, 3)])
+@pytest.mark.parametrize(
+    "batch_size, accum, num_ranks", [(1, 1, 1), (4, 1, 1), (2, 3, 1), (2, 2, 2), (1, 4, 3)]
+)
 def test_each_layout_yields_the_slow_loops_steps_across_epochs(batch_size, accum, num_ranks):
     num_samples, seed = 29, 7  # 29 is no multiple of any global batch: the last one is dropped
     steps_per_epoch = num_samples // (batch_size * accum * num_ranks)
