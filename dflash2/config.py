@@ -6,6 +6,7 @@ from __future__ import annotations
 import difflib
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -18,6 +19,26 @@ def torch_dtype(precision: str):
     import torch
 
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
+
+
+@dataclass(frozen=True)
+class BackendEntry:
+    """A distribution backend: its `Backend` subclass as "module:Class" (imported only when chosen,
+    dflash2.distributed.registry) and the run-config keys naming files it reads, with what they are."""
+
+    cls: str
+    files: tuple[tuple[str, str], ...] = ()
+
+
+# The backends a run config may name (adding one: its module and one line here, docs/architecture.md)
+BACKENDS = {
+    "deepspeed": BackendEntry(
+        "dflash2.distributed.deepspeed_backend:DeepSpeedBackend",
+        (("ds_config", "a DeepSpeed JSON (e.g. ds_configs/zero3.json)"),),
+    ),
+    "fsdp": BackendEntry("dflash2.distributed.fsdp_backend:FSDPBackend"),
+}
+BackendName = Literal[tuple(BACKENDS)]
 
 
 class _Section(BaseModel):
@@ -115,7 +136,7 @@ class TrainConfig(OptimConfig):
 
 class RunConfig(_Section):
     output_dir: str
-    backend: Literal["deepspeed", "fsdp"] = "deepspeed"
+    backend: BackendName = "deepspeed"
     topology: Literal["colocated", "disaggregated"] = "colocated"
     capture_ranks: int = Field(0, ge=0)
     seed: int = 0
@@ -259,8 +280,8 @@ def check_run_paths(cfg: RunConfig) -> None:
             raise ValueError(f"data.train={cfg.data.train!r} is empty: give a file with conversations")
     if cfg.data.features_dir:
         require_path(cfg.data.features_dir, "data.features_dir", "dir", "a directory made by capture.py")
-    if cfg.backend == "deepspeed":
-        require_path(cfg.ds_config, "ds_config", "file", "a DeepSpeed JSON (e.g. ds_configs/zero3.json)")
+    for key, what in BACKENDS[cfg.backend].files:
+        require_path(getattr(cfg, key), key, "file", what)
     if cfg.train.resume not in ("auto", "none"):
         require_path(cfg.train.resume, "train.resume", "dir", "a checkpoint directory, auto or none")
     if Path(cfg.output_dir).exists() and not Path(cfg.output_dir).is_dir():

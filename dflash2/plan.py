@@ -31,14 +31,16 @@ from torch import nn
 
 from dflash2.capture.transfer import PREFETCH_DEPTH
 from dflash2.config import RunConfig, load_run_config
+from dflash2.distributed import backend_class
+from dflash2.distributed.base import DTYPE_BYTES, count_params
+from dflash2.distributed.base import MemoryItem as Item
 from dflash2.errors import EXIT_DOES_NOT_FIT, add_debug_flag, run_main
 from dflash2.models import build_draft
 from dflash2.models.attention import context_key_span
 
 GIB = 2**30
 GB = 1e9
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}
-FP32 = 4
+FP32 = DTYPE_BYTES["fp32"]
 # A checkpoint's bytes per draft parameter, summed over ranks: draft.safetensors (fp32 weights, rank 0)
 # and backend/ (every rank's shard of the fp32 weights or master weights and AdamW's two moments).
 CHECKPOINT_WEIGHT_BYTES, CHECKPOINT_STATE_BYTES = FP32, 3 * FP32
@@ -65,16 +67,6 @@ ACTIVATION_NOTES = {
 
 
 @dataclass
-class Item:
-    """One line of a rank's memory: `where` is "gpu" or "cpu" (offloaded)."""
-
-    name: str
-    num_bytes: float
-    note: str = ""
-    where: str = "gpu"
-
-
-@dataclass
 class RolePlan:
     """The memory of one rank of a role (all ranks of a role hold the same)."""
 
@@ -93,37 +85,6 @@ class Plan:
     device_bytes: float
     warnings: list[str] = field(default_factory=list)
     checkpoint_bytes: float = 0.0
-
-
-@dataclass(frozen=True)
-class ParamCounts:
-    """Parameter counts of a model, by the units the backends shard and gather.
-
-    `blocks` are the modules named in `_no_split_modules` (one FSDP unit each); `root` is everything
-    else (the root unit). `largest_module` is the largest set of a module's own parameters: ZeRO-3
-    gathers module by module.
-    """
-
-    total: int
-    blocks: tuple[int, ...]
-    root: int
-    largest_module: int
-
-    @property
-    def largest_block(self) -> int:
-        return max(self.blocks, default=0)
-
-
-def count_params(model: nn.Module) -> ParamCounts:
-    block_types = set(getattr(model, "_no_split_modules", None) or ())
-    blocks = tuple(
-        sum(p.numel() for p in module.parameters())
-        for module in list(model.modules())[1:]
-        if type(module).__name__ in block_types
-    )
-    total = sum(p.numel() for p in model.parameters())
-    largest_module = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    return ParamCounts(total=total, blocks=blocks, root=total - sum(blocks), largest_module=largest_module)
 
 
 # ------------------------------------------------------------------ models on meta
@@ -155,66 +116,6 @@ def meta_models(cfg: RunConfig, target_config) -> tuple[nn.Module, nn.Module]:
 
 
 # ------------------------------------------------------------------ pieces
-
-
-def ds_offload(cfg: RunConfig) -> tuple[bool, bool]:
-    """(offload_param, offload_optimizer) from the DeepSpeed JSON; both False for FSDP."""
-    if cfg.backend != "deepspeed":
-        return False, False
-    path = Path(cfg.ds_config)
-    if not path.is_file():
-        raise ValueError(f"ds_config {cfg.ds_config!r} does not exist; set ds_config to a DeepSpeed JSON")
-    zero = json.loads(path.read_text()).get("zero_optimization", {})
-
-    def offloaded(key: str) -> bool:
-        return zero.get(key, {}).get("device", "none") in ("cpu", "nvme")
-
-    return offloaded("offload_param"), offloaded("offload_optimizer")
-
-
-def draft_state_items(
-    counts: ParamCounts, cfg: RunConfig, num_shards: int, offload: tuple[bool, bool]
-) -> list[Item]:
-    """Parameters, gradients and AdamW state of the draft, sharded over `num_shards` ranks."""
-    numel, act = counts.total / num_shards, DTYPE_BYTES[cfg.precision]
-    params_where = "cpu" if offload[0] else "gpu"
-    optim_where = "cpu" if offload[1] else "gpu"
-    per = f"{counts.total / 1e9:.3f} B / {num_shards}"
-    if cfg.backend == "fsdp":
-        # fp32 sharded parameters are the master weights; bf16 exists only as gathered compute copies
-        return [
-            Item("draft parameters", numel * FP32, f"{per}, fp32 shards"),
-            Item("draft gradients", numel * FP32, f"{per}, fp32 shards"),
-            Item("draft optimizer state", numel * 2 * FP32, "AdamW exp_avg + exp_avg_sq, fp32"),
-        ]
-    if cfg.precision == "fp32":
-        return [
-            Item("draft parameters", numel * FP32, f"{per}, fp32 partitions", params_where),
-            Item("draft gradients", numel * FP32, f"{per}, fp32 partitions", optim_where),
-            Item("draft optimizer state", numel * 2 * FP32, "AdamW exp_avg + exp_avg_sq", optim_where),
-        ]
-    return [
-        Item("draft parameters", numel * act, f"{per}, bf16 partitions", params_where),
-        Item("draft gradients", numel * act, f"{per}, bf16 partitions"),
-        Item("draft fp32 gradients (step)", numel * FP32, "fp32 copy of the partition", optim_where),
-        Item("draft optimizer state", numel * 3 * FP32, "fp32 master + exp_avg + exp_avg_sq", optim_where),
-    ]
-
-
-def gathered_bytes(
-    counts: ParamCounts, backend: str, dtype_bytes: int, with_grads: bool
-) -> tuple[float, str]:
-    """Parameters held unsharded at the peak of a forward/backward."""
-    if backend == "fsdp":
-        # FSDP2 keeps the root unit unsharded after forward; one block computes while the next prefetches.
-        numel = counts.root + 2 * counts.largest_block
-        grads = counts.largest_block * FP32 if with_grads else 0  # unsharded grads before reduce-scatter
-        note = "root unit + 2 blocks (compute + prefetch)" + (
-            " + one block's fp32 grads" if with_grads else ""
-        )
-        return numel * dtype_bytes + grads, note
-    numel = max(counts.largest_module, 2 * counts.largest_block)
-    return numel * dtype_bytes, "largest of one module / 2 blocks (compute + prefetch)"
 
 
 @dataclass(frozen=True)
@@ -360,7 +261,7 @@ def plan_run(cfg: RunConfig, *, world_size: int, target_config, device_gb: float
         raise ValueError(f"{error} (--world-size {world_size})") from None
     draft, target = meta_models(cfg, target_config)
     shapes = step_shapes(cfg, draft)
-    offload = ds_offload(cfg)
+    offload = backend_class(cfg.backend).plan_offload(cfg)
     target_part = target_items(cfg, target, shapes, num_capture or world_size, offload)
     draft_part = draft_items(cfg, draft, target, shapes, world_size - num_capture, offload)
     roles = role_plans(target_part, draft_part, world_size, num_capture)
@@ -381,12 +282,12 @@ def target_items(
     cfg: RunConfig, target: nn.Module, shapes: StepShapes, num_shards: int, offload: tuple[bool, bool]
 ) -> list[Item]:
     """What a rank holding a target shard holds for it: the shard, the gathered units, the capture."""
-    counts = count_params(target)
+    counts, backend = count_params(target), backend_class(cfg.backend)
     target_bytes = DTYPE_BYTES[cfg.model.target_dtype or cfg.precision]
     return [
         Item("target shards", counts.total * target_bytes / num_shards,
              f"{counts.total / 1e9:.2f} B / {num_shards}", "cpu" if offload[0] else "gpu"),
-        Item("target gathered", *gathered_bytes(counts, cfg.backend, target_bytes, with_grads=False)),
+        Item("target gathered", *backend.plan_gathered(counts, target_bytes, with_grads=False)),
         *capture_items(target, shapes, target_bytes, DTYPE_BYTES[cfg.precision]),
     ]  # fmt: skip
 
@@ -400,7 +301,7 @@ def draft_items(
     offload: tuple[bool, bool],
 ) -> list[Item]:
     """What a rank training the draft holds: its state, gathered units, the borrowed head, activations."""
-    counts, act = count_params(draft), DTYPE_BYTES[cfg.precision]
+    counts, act, backend = count_params(draft), DTYPE_BYTES[cfg.precision], backend_class(cfg.backend)
     vocab = target.get_input_embeddings().weight.shape[0]
     head_numel = sum(
         m.weight.numel() for m in (target.get_input_embeddings(), target.get_output_embeddings())
@@ -408,8 +309,8 @@ def draft_items(
     supervised = shapes.batch * shapes.num_anchors * (shapes.block_size - 1)
     activations = draft_activation_bytes(shapes, act)
     return [
-        *draft_state_items(counts, cfg, num_shards, offload),
-        Item("draft gathered", *gathered_bytes(counts, cfg.backend, act, with_grads=True)),
+        *backend.plan_draft_state(counts, cfg.precision, num_shards, offload),
+        Item("draft gathered", *backend.plan_gathered(counts, act, with_grads=True)),
         Item("embedding + LM head copy", head_numel * act, f"2 x [{vocab}, {shapes.hidden}], full on every rank"),
         *[Item(f"draft activations: {k}", v, ACTIVATION_NOTES[k]) for k, v in activations.items()],
         logits_item(cfg, vocab, supervised),
@@ -440,9 +341,7 @@ def plan_header(
     num_capture: int,
     offload: tuple[bool, bool],
 ) -> list[str]:
-    offload_note = (
-        f" (offload param={offload[0]}, optimizer={offload[1]})" if cfg.backend == "deepspeed" else ""
-    )
+    offload_note = backend_class(cfg.backend).plan_note(offload)
     layout = (
         f" = {num_capture} capture + {world_size - num_capture} trainer"
         if num_capture

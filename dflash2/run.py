@@ -31,8 +31,7 @@ from dflash2.checkpoint import read_train_state, resume_point
 from dflash2.config import RunConfig, save_run_config
 from dflash2.data.loader import micro_batches, pad_token_id_of
 from dflash2.data.prepare import build_dataset
-from dflash2.distributed import Backend, build_backend, init_distributed, role_scope, shutdown_distributed
-from dflash2.distributed.base import local_parameter_numel
+from dflash2.distributed import Backend, backend_class, init_distributed, shutdown_distributed
 from dflash2.faults import collective_section, collective_timeout, stop_request
 from dflash2.train import build_setup, fit
 
@@ -53,16 +52,12 @@ def run(cfg: RunConfig) -> dict[str, float]:
     return summary
 
 
-def run_backend(cfg: RunConfig, group: dist.ProcessGroup | None = None) -> Backend:
-    """The run's backend; with `group`, target and draft are both sharded over that group only."""
-    return build_backend(
-        cfg.backend,
-        cfg.ds_config if cfg.backend == "deepspeed" else None,
-        cfg.train.micro_batch_size,
-        cfg.train.grad_accum_steps,
-        target_group=group,
-        draft_group=group,
-    )
+def run_backend(
+    cfg: RunConfig, group: dist.ProcessGroup | None = None, scope: object | None = None
+) -> Backend:
+    """The run's backend; with `group`, target and draft are both sharded over that group only
+    (`scope`: what the backend's role_scope yielded for it)."""
+    return backend_class(cfg.backend).from_run_config(cfg, group=group, scope=scope)
 
 
 def save_resolved_config(cfg: RunConfig, backend: Backend) -> None:
@@ -142,12 +137,12 @@ def run_disaggregated(cfg: RunConfig) -> dict[str, float]:
     transfer_group = dist.new_group(list(range(world_size)), timeout=timeout)
     t0 = time.perf_counter()
     is_capture = dist.get_rank() < num_capture
-    with role_scope(cfg.backend, capture_group if is_capture else trainer_group):
+    with backend_class(cfg.backend).role_scope(capture_group if is_capture else trainer_group) as scope:
         if is_capture:
-            run_capture_rank(cfg, capture_group, transfer_group)
+            run_capture_rank(cfg, capture_group, transfer_group, scope)
             summary = {}
         else:
-            summary = run_trainer_rank(cfg, trainer_group, transfer_group)
+            summary = run_trainer_rank(cfg, trainer_group, transfer_group, scope)
     with collective_section("the end of the run"):
         dist.barrier(group=transfer_group)  # the job ends together (capture ranks may host the store)
     if dist.get_rank() == 0:
@@ -157,19 +152,22 @@ def run_disaggregated(cfg: RunConfig) -> dict[str, float]:
 
 @torch.no_grad()
 def run_capture_rank(
-    cfg: RunConfig, capture_group: dist.ProcessGroup, transfer_group: dist.ProcessGroup
+    cfg: RunConfig,
+    capture_group: dist.ProcessGroup,
+    transfer_group: dist.ProcessGroup,
+    scope: object | None = None,
 ) -> None:
     """Walk the trainers' own data order from their checkpointed position, one target forward per
     micro-batch and trainer served, and send the features."""
     num_capture, num_trainers = cfg.capture_ranks, dist.get_world_size() - cfg.capture_ranks
     train = cfg.train
-    backend = run_backend(cfg, capture_group)
+    backend = run_backend(cfg, capture_group, scope)
     layer_ids = draft_layer_ids(cfg, AutoConfig.from_pretrained(cfg.model.target))
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.target)
     pad_id = pad_token_id_of(tokenizer)
     dataset = build_dataset(cfg.data, tokenizer, is_main=False)
     target = backend.load_target(cfg.model.target, cfg.target_torch_dtype)
-    local, total = local_parameter_numel(target)
+    local, total = backend.parameter_numel(target)
     print(f"[dflash2] capture rank {backend.rank}: holds {local}/{total} target parameters", flush=True)
 
     state = read_train_state(resume_point(train.resume, Path(cfg.output_dir)))
@@ -218,9 +216,12 @@ def _relay_stop_request(store: dist.Store) -> None:
 
 
 def run_trainer_rank(
-    cfg: RunConfig, trainer_group: dist.ProcessGroup, transfer_group: dist.ProcessGroup
+    cfg: RunConfig,
+    trainer_group: dist.ProcessGroup,
+    transfer_group: dist.ProcessGroup,
+    scope: object | None = None,
 ) -> dict[str, float]:
-    backend = run_backend(cfg, trainer_group)
+    backend = run_backend(cfg, trainer_group, scope)
     source = backend.rank % cfg.capture_ranks  # trainer t is served by capture rank t % N
     receiver = FeatureReceiver(source, transfer_group, cfg.train.micro_batch_size, backend.device)
     with collective_section("setup (loading the draft and the target's head)"):

@@ -20,7 +20,6 @@ from dflash2.config import RunConfig, torch_dtype
 from dflash2.data.loader import anchor_generators, collate, micro_batches, pad_token_id_of
 from dflash2.data.prepare import build_dataset
 from dflash2.distributed import Backend
-from dflash2.distributed.base import local_parameter_numel
 from dflash2.export import export_draft
 from dflash2.faults import collective_section, stop_request, write_stop_marker
 from dflash2.identity import data_identity, target_identity, tokenizer_identity
@@ -106,7 +105,7 @@ def build_target(cfg: RunConfig, backend: Backend, load_full: bool) -> tuple[nn.
         print(f"[dflash2] rank {backend.rank}: holds 0/{total} target parameters (head only)", flush=True)
         return None, load_target_head(cfg.model.target, target_dtype, backend.device).to(dtype)
     target = backend.load_target(cfg.model.target, target_dtype)
-    local, total = local_parameter_numel(target)
+    local, total = backend.parameter_numel(target)
     print(f"[dflash2] rank {backend.rank}: holds {local}/{total} target parameters", flush=True)
     return target, backend.target_head(target, dtype)
 

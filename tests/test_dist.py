@@ -288,8 +288,8 @@ def dflash2_parameter_names(num_layers: int) -> tuple[set[str], set[str]]:
 
 def test_weight_decay_skips_norms_biases_base_kernels_and_codebooks():
     from dflash2.config import OptimConfig
-    from dflash2.distributed.base import build_optimizer
     from dflash2.models import build_draft
+    from dflash2.optim import build_optimizer
     from tests.draft_helpers import randomize_, tiny_draft_config
 
     config = tiny_draft_config()

@@ -46,7 +46,7 @@ def target_features(
 ) -> torch.Tensor:
     """One forward of the frozen target over a collated batch -> features [b, S, K*H] (collective
     over the target's group); with `last_hidden`, [b, S, (K+1)*H] (the final-normed state last)."""
-    with capture_layer_outputs(backend.target_module(target), layer_ids, last_hidden) as captured:
+    with capture_layer_outputs(backend.unwrap(target), layer_ids, last_hidden) as captured:
         backend.target_forward(target, batch["input_ids"], batch["attention_mask"])
     return captured.features()
 

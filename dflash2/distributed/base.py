@@ -8,75 +8,100 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dflash2.config import OptimConfig
+if TYPE_CHECKING:
+    from dflash2.config import RunConfig
+
+from dflash2.config import BACKENDS, OptimConfig
 from dflash2.distributed import state_io
-from dflash2.schedule import lr_factor
 from dflash2.target.head import TargetHead
-
-ADAM_BETAS = (0.9, 0.95)
-ADAM_EPS = 1e-8
-
-
-def lr_multiplier(optim: OptimConfig) -> Callable[[int], float]:
-    """LR factor for the `step`-th optimizer update (0-based), as LambdaLR wants it."""
-
-    def factor(step: int) -> float:
-        return lr_factor(
-            step,
-            warmup_steps=optim.warmup_steps,
-            total_steps=optim.max_steps,
-            min_lr_ratio=optim.min_lr_ratio,
-            schedule=optim.schedule,
-        )
-
-    return factor
-
-
-def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW parameter groups: `weight_decay` on the weight matrices of linear layers, none elsewhere.
-
-    Decayed: attention and MLP projections, `fc`, the conv `kernel_projection` (zero at init: decay
-    pulls the dynamic kernel back toward the static one) and the selector's `hidden_projection`.
-    Not decayed: norm weights and biases (scales and offsets, not capacity), the conv `base_kernel`
-    (identity at init: decay would pull it toward zero, i.e. toward silencing the sublayer, not toward
-    the identity) and the selector codebooks (embedding-like tables: a row of a rare token gets a
-    gradient rarely but would shrink every step). Decided by module type, so the groups are the same
-    before and after sharding (FSDP2 keeps the module tree; ZeRO-3 partitions after the optimizer is
-    built). Both groups exist whatever weight_decay is (when non-empty): the optimizer state's layout
-    does not depend on its value.
-    """
-    decay, no_decay, seen = [], [], set()
-    for module in model.modules():
-        for name, param in module.named_parameters(recurse=False):
-            if not param.requires_grad or id(param) in seen:
-                continue
-            seen.add(id(param))
-            (decay if isinstance(module, nn.Linear) and name == "weight" else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [group for group in groups if group["params"]]
-
-
-def build_optimizer(
-    model: nn.Module, optim: OptimConfig
-) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
-    """torch AdamW over `model`'s trainable parameters in weight_decay_groups, and its LambdaLR
-    schedule (the same objects for both backends)."""
-    optimizer = torch.optim.AdamW(
-        weight_decay_groups(model, optim.weight_decay), lr=optim.lr, betas=ADAM_BETAS, eps=ADAM_EPS
-    )
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(optim))
 
 
 def sharded_block_types(model: nn.Module) -> tuple[str, ...]:
     """Class names of the blocks sharded one by one (Hugging Face's `_no_split_modules` convention)."""
     return tuple(getattr(model, "_no_split_modules", None) or ())
+
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}  # bytes per element of each precision name of the run config
+
+
+@dataclass(frozen=True)
+class ParamCounts:
+    """Parameter counts of a model, by the units the backends shard and gather.
+
+    `blocks` are the modules named in `_no_split_modules` (one FSDP unit each); `root` is everything
+    else (the root unit). `largest_module` is the largest set of a module's own parameters: ZeRO-3
+    gathers module by module.
+    """
+
+    total: int
+    blocks: tuple[int, ...]
+    root: int
+    largest_module: int
+
+    @property
+    def largest_block(self) -> int:
+        return max(self.blocks, default=0)
+
+
+def count_params(model: nn.Module) -> ParamCounts:
+    block_types = set(sharded_block_types(model))
+    blocks = tuple(
+        sum(p.numel() for p in module.parameters())
+        for module in list(model.modules())[1:]
+        if type(module).__name__ in block_types
+    )
+    total = sum(p.numel() for p in model.parameters())
+    largest_module = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    return ParamCounts(total=total, blocks=blocks, root=total - sum(blocks), largest_module=largest_module)
+
+
+@dataclass
+class MemoryItem:
+    """One line of a rank's memory in the planner: `where` is "gpu" or "cpu" (offloaded)."""
+
+    name: str
+    num_bytes: float
+    note: str = ""
+    where: str = "gpu"
+
+
+def default_device(local_rank: int = 0) -> torch.device:
+    """This process's accelerator (its local rank's CUDA device), else the CPU."""
+    return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")
+
+
+@dataclass(frozen=True)
+class RankLayout:
+    """Where a backend runs: its rank and size among the draft's data-parallel ranks (what data
+    sharding, checkpoint files and rank-0-only writes go by), the local rank and the device."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @classmethod
+    def of_group(cls, group: dist.ProcessGroup | None = None) -> RankLayout:
+        """This process in `group` (None: the whole world) of the started process group."""
+        if not dist.is_initialized():
+            raise RuntimeError("call dflash2.distributed.init_distributed() before building a backend")
+        local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        return cls(dist.get_rank(group), dist.get_world_size(group), local_rank, default_device(local_rank))
+
+    @classmethod
+    def single(cls, device: str | torch.device | None = None) -> RankLayout:
+        """One process and no process group, on `device` (None: the accelerator, else the CPU)."""
+        return cls(0, 1, 0, default_device() if device is None else torch.device(device))
 
 
 class Backend(ABC):
@@ -87,43 +112,145 @@ class Backend(ABC):
     of the group concerned.
     """
 
+    name: ClassVar[str]  # its key in config.BACKENDS (also written into its checkpoints)
+    # dtypes the frozen target may be loaded in (load_target refuses others)
+    target_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32, torch.bfloat16)
+
     def __init__(
         self,
+        layout: RankLayout,
         *,
         micro_batch_size: int,
         grad_accum_steps: int,
         target_group: dist.ProcessGroup | None = None,
         draft_group: dist.ProcessGroup | None = None,
     ) -> None:
-        if not dist.is_initialized():
-            raise RuntimeError("call dflash2.distributed.init_distributed() before building a backend")
         assert micro_batch_size >= 1 and grad_accum_steps >= 1, "validated by the run config"
-        # rank and size among the draft's data-parallel ranks (the whole world unless draft_group is set):
-        # what data sharding, checkpoint files and rank-0-only writes go by
-        self.rank = dist.get_rank(draft_group)
-        self.world_size = dist.get_world_size(draft_group)
-        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
-        self.device = torch.device(f"cuda:{self.local_rank}" if torch.cuda.is_available() else "cpu")
+        self.rank = layout.rank
+        self.world_size = layout.world_size
+        self.local_rank = layout.local_rank
+        self.device = layout.device
         self.is_main = self.rank == 0
         self.micro_batch_size = micro_batch_size
         self.grad_accum_steps = grad_accum_steps
         self.target_group = target_group
         self.draft_group = draft_group
-        self.draft_world_size = dist.get_world_size(draft_group)
+        self.draft_world_size = layout.world_size
         # floating-point inputs of the draft must be cast to this dtype (set by setup_draft)
         self.compute_dtype = torch.float32
 
-    @abstractmethod
+    # ---- construction (class methods: no process group needed) ---------------------------------------
+
+    @classmethod
+    def start_process_group(cls, comm: str, timeout: timedelta) -> None:
+        """Start the default process group with communication backend `comm` (gloo or nccl)."""
+        dist.init_process_group(backend=comm, timeout=timeout)
+
+    @classmethod
+    def role_scope(cls, group: dist.ProcessGroup) -> AbstractContextManager[object | None]:
+        """What this backend needs for a role that runs on `group` alone while the rest of the world
+        runs other code (the disaggregated topology): build and use the backend inside it, passing
+        the `as` value to build as `scope`. Most backends need nothing."""
+        return nullcontext()
+
+    @classmethod
+    def config_file(cls, cfg: RunConfig) -> str | None:
+        """The file of the run config this backend reads its own settings from (None: none)."""
+        return None
+
+    @classmethod
+    def build(
+        cls,
+        config_path: str | None,
+        micro_batch_size: int,
+        grad_accum_steps: int,
+        *,
+        target_group: dist.ProcessGroup | None = None,
+        draft_group: dist.ProcessGroup | None = None,
+        scope: object | None = None,
+    ) -> Backend:
+        """The backend after the process group started; `scope` is what role_scope yielded."""
+        if config_path is not None:
+            readers = " or ".join(repr(n) for n, entry in BACKENDS.items() if entry.files)
+            raise ValueError(
+                f"ds_config {config_path!r} is only used by backend {readers}; unset it for {cls.name!r}"
+            )
+        return cls(
+            layout=RankLayout.of_group(draft_group),
+            micro_batch_size=micro_batch_size,
+            grad_accum_steps=grad_accum_steps,
+            target_group=target_group,
+            draft_group=draft_group,
+        )
+
+    @classmethod
+    def from_run_config(
+        cls, cfg: RunConfig, *, group: dist.ProcessGroup | None = None, scope: object | None = None
+    ) -> Backend:
+        """The run's backend; with `group`, target and draft are both sharded over that group only."""
+        return cls.build(
+            cls.config_file(cfg),
+            cfg.train.micro_batch_size,
+            cfg.train.grad_accum_steps,
+            target_group=group,
+            draft_group=group,
+            scope=scope,
+        )
+
     def load_target(self, target_dir: str, dtype: torch.dtype) -> nn.Module:
         """Hugging Face causal LM from a safetensors dir: frozen, eval(), sharded over the target group."""
+        if dtype not in self.target_dtypes:
+            names = " or ".join(str(d).removeprefix("torch.") for d in self.target_dtypes)
+            raise ValueError(f"target dtype must be {names} (fp16 is unsupported), got {dtype}")
+        return self._load_target(target_dir, dtype)
+
+    # ---- the planner's arithmetic (class methods: dflash2.plan, on the meta device) ----------------
+
+    @classmethod
+    def plan_offload(cls, cfg: RunConfig) -> tuple[bool, bool]:
+        """(parameters, optimizer state) offloaded to the host by this backend's settings."""
+        return False, False
+
+    @classmethod
+    def plan_note(cls, offload: tuple[bool, bool]) -> str:
+        """What the plan's header says of this backend's settings."""
+        return ""
+
+    @classmethod
+    def plan_draft_state(
+        cls, counts: ParamCounts, precision: str, num_shards: int, offload: tuple[bool, bool]
+    ) -> list[MemoryItem]:
+        """Parameters, gradients and AdamW state of the draft, sharded over `num_shards` ranks."""
+        raise NotImplementedError(f"backend {cls.name!r} has no memory plan")
+
+    @classmethod
+    def plan_gathered(cls, counts: ParamCounts, dtype_bytes: int, with_grads: bool) -> tuple[float, str]:
+        """Bytes of parameters held unsharded at the peak of a forward/backward, and how."""
+        raise NotImplementedError(f"backend {cls.name!r} has no memory plan")
+
+    @abstractmethod
+    def _load_target(self, target_dir: str, dtype: torch.dtype) -> nn.Module:
+        """load_target after its dtype check."""
 
     @abstractmethod
     def target_head(self, target: nn.Module, dtype: torch.dtype) -> TargetHead:
         """Full embedding + LM head on every rank, gathered from the shards (collective)."""
 
-    def target_module(self, target: nn.Module) -> nn.Module:
-        """The Hugging Face model inside what load_target returned (to reach its decoder layers)."""
-        return target
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        """The model itself inside what load_target or setup_draft returned (to reach its layers)."""
+        return model
+
+    def parameter_numel(self, module: nn.Module) -> tuple[int, int]:
+        """(elements this rank holds, elements of the full model): shows that a model is really sharded."""
+        local = total = 0
+        for param in module.parameters():
+            held, full = self._param_numel(param)
+            local, total = local + held, total + full
+        return local, total
+
+    def _param_numel(self, param: torch.Tensor) -> tuple[int, int]:
+        """(elements this rank holds, elements of the full parameter)."""
+        return param.numel(), param.numel()
 
     @torch.no_grad()
     def target_forward(
@@ -202,18 +329,3 @@ class Backend(ABC):
             raise RuntimeError(
                 f"step() after {micro_steps} backward calls; expected grad_accum_steps={self.grad_accum_steps}"
             )
-
-
-def local_parameter_numel(module: nn.Module) -> tuple[int, int]:
-    """(elements this rank holds, elements of the full model): shows that a model is really sharded."""
-    from torch.distributed.tensor import DTensor
-
-    local = total = 0
-    for p in module.parameters():
-        if hasattr(p, "ds_tensor"):  # ZeRO-3 partitioned parameter
-            local, total = local + p.ds_tensor.numel(), total + p.ds_numel
-        elif isinstance(p, DTensor):  # FSDP2 shard
-            local, total = local + p.to_local().numel(), total + p.numel()
-        else:
-            local, total = local + p.numel(), total + p.numel()
-    return local, total

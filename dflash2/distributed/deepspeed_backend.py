@@ -3,28 +3,30 @@
 from __future__ import annotations
 
 import copy
+import json
 import math
+from contextlib import AbstractContextManager
+from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import deepspeed
 import torch
-from deepspeed.utils import (
-    safe_get_full_fp32_param,
-    safe_get_local_fp32_param,
-    safe_get_local_optimizer_state,
-    safe_set_local_fp32_param,
-    safe_set_local_optimizer_state,
-)
+import torch.distributed as dist
 from torch import nn
-from transformers import AutoModelForCausalLM
-from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
 
 from dflash2.config import OptimConfig
-from dflash2.distributed import deepspeed_groups, state_io
-from dflash2.distributed.base import Backend, build_optimizer
-from dflash2.distributed.ds_config import set_ds_value
+from dflash2.distributed import state_io
+from dflash2.distributed.base import DTYPE_BYTES, Backend, MemoryItem, ParamCounts, RankLayout
+from dflash2.distributed.ds_config import resolve_ds_config, set_ds_value
+from dflash2.distributed.env import check_build_locks
+from dflash2.optim import build_optimizer
 from dflash2.target.head import TargetHead, head_tensors
+
+if TYPE_CHECKING:
+    import deepspeed
+
+    from dflash2.config import RunConfig
+    from dflash2.distributed.deepspeed_groups import GroupMpu
 
 OPTIMIZER_KEYS = ("fp32", "exp_avg", "exp_avg_sq")  # fp32: the master weights
 
@@ -39,15 +41,24 @@ class _Zero3Config:
         return True
 
 
+def _deepspeed():
+    """deepspeed, imported where an engine starts or is used: the import takes seconds and its logger
+    prints to stdout, which the registry and the planner (class methods only) must not."""
+    import deepspeed
+
+    return deepspeed
+
+
 class DeepSpeedBackend(Backend):
-    """`ds_config` is a resolved DeepSpeed dict (batch sizes filled in by build_backend)."""
+    """`ds_config` is a resolved DeepSpeed dict (batch sizes filled in by build); `mpu` the unit of
+    the role's group (what role_scope yielded), None on the whole world."""
 
     name = "deepspeed"
 
-    def __init__(self, ds_config: dict[str, Any], **kwargs) -> None:
+    def __init__(self, ds_config: dict[str, Any], *, mpu: GroupMpu | None = None, **kwargs) -> None:
         super().__init__(**kwargs)
-        # a sub-group only inside confine_deepspeed (the disaggregated roles), and one for both models
-        self.mpu = deepspeed_groups.active_mpu()
+        # a sub-group only inside role_scope (the disaggregated roles), and one for both models
+        self.mpu = mpu
         if self.target_group is not None or self.draft_group is not None:
             assert self.mpu is not None and self.target_group is self.draft_group is self.mpu.group
         if ds_config.get("zero_optimization", {}).get("stage") != 3:
@@ -55,6 +66,111 @@ class DeepSpeedBackend(Backend):
         self.ds_config = ds_config
         self.engine: deepspeed.DeepSpeedEngine | None = None
         self._micro_steps = 0
+
+    # ---- construction -------------------------------------------------------------------------------
+
+    @classmethod
+    def start_process_group(cls, comm: str, timeout: timedelta) -> None:
+        check_build_locks()
+        _deepspeed().init_distributed(dist_backend=comm, auto_mpi_discovery=False, timeout=timeout)
+
+    @classmethod
+    def role_scope(cls, group: dist.ProcessGroup) -> AbstractContextManager[GroupMpu]:
+        """DeepSpeed's world-wide collectives confined to `group`; the `as` value is its mpu."""
+        from dflash2.distributed.deepspeed_groups import confine_deepspeed
+
+        return confine_deepspeed(group)
+
+    @classmethod
+    def config_file(cls, cfg: RunConfig) -> str | None:
+        return cfg.ds_config
+
+    @classmethod
+    def build(
+        cls,
+        config_path: str | None,
+        micro_batch_size: int,
+        grad_accum_steps: int,
+        *,
+        target_group: dist.ProcessGroup | None = None,
+        draft_group: dist.ProcessGroup | None = None,
+        scope: GroupMpu | None = None,
+    ) -> DeepSpeedBackend:
+        if config_path is None:
+            raise ValueError(f"backend {cls.name!r} needs a ds_config path (e.g. ds_configs/zero3.json)")
+        layout = RankLayout.of_group(draft_group)
+        resolved = resolve_ds_config(
+            json.loads(Path(config_path).read_text()),
+            micro_batch_size=micro_batch_size,
+            grad_accum_steps=grad_accum_steps,
+            dp_world_size=layout.world_size,
+        )
+        return cls(
+            resolved,
+            mpu=scope,
+            layout=layout,
+            micro_batch_size=micro_batch_size,
+            grad_accum_steps=grad_accum_steps,
+            target_group=target_group,
+            draft_group=draft_group,
+        )
+
+    @classmethod
+    def plan_offload(cls, cfg: RunConfig) -> tuple[bool, bool]:
+        """(offload_param, offload_optimizer) from the DeepSpeed JSON."""
+        path = Path(cfg.ds_config)
+        if not path.is_file():
+            raise ValueError(f"ds_config {cfg.ds_config!r} does not exist; set ds_config to a DeepSpeed JSON")
+        zero = json.loads(path.read_text()).get("zero_optimization", {})
+
+        def offloaded(key: str) -> bool:
+            return zero.get(key, {}).get("device", "none") in ("cpu", "nvme")
+
+        return offloaded("offload_param"), offloaded("offload_optimizer")
+
+    @classmethod
+    def plan_note(cls, offload: tuple[bool, bool]) -> str:
+        return f" (offload param={offload[0]}, optimizer={offload[1]})"
+
+    @classmethod
+    def plan_draft_state(
+        cls, counts: ParamCounts, precision: str, num_shards: int, offload: tuple[bool, bool]
+    ) -> list[MemoryItem]:
+        numel, act, fp32 = counts.total / num_shards, DTYPE_BYTES[precision], DTYPE_BYTES["fp32"]
+        params_where = "cpu" if offload[0] else "gpu"
+        optim_where = "cpu" if offload[1] else "gpu"
+        per = f"{counts.total / 1e9:.3f} B / {num_shards}"
+        if precision == "fp32":
+            return [
+                MemoryItem("draft parameters", numel * fp32, f"{per}, fp32 partitions", params_where),
+                MemoryItem("draft gradients", numel * fp32, f"{per}, fp32 partitions", optim_where),
+                MemoryItem(
+                    "draft optimizer state", numel * 2 * fp32, "AdamW exp_avg + exp_avg_sq", optim_where
+                ),
+            ]
+        return [
+            MemoryItem("draft parameters", numel * act, f"{per}, bf16 partitions", params_where),
+            MemoryItem("draft gradients", numel * act, f"{per}, bf16 partitions"),
+            MemoryItem(
+                "draft fp32 gradients (step)", numel * fp32, "fp32 copy of the partition", optim_where
+            ),
+            MemoryItem(
+                "draft optimizer state", numel * 3 * fp32, "fp32 master + exp_avg + exp_avg_sq", optim_where
+            ),
+        ]
+
+    @classmethod
+    def plan_gathered(cls, counts: ParamCounts, dtype_bytes: int, with_grads: bool) -> tuple[float, str]:
+        numel = max(counts.largest_module, 2 * counts.largest_block)
+        return numel * dtype_bytes, "largest of one module / 2 blocks (compute + prefetch)"
+
+    def _param_numel(self, param: torch.Tensor) -> tuple[int, int]:
+        if hasattr(param, "ds_tensor"):  # ZeRO-3 partitioned parameter
+            return param.ds_tensor.numel(), param.ds_numel
+        return super()._param_numel(param)
+
+    def unwrap(self, model: nn.Module) -> nn.Module:
+        return model.module if isinstance(model, _deepspeed().DeepSpeedEngine) else model
 
     # ---- target -------------------------------------------------------------------------------------
 
@@ -65,9 +181,10 @@ class DeepSpeedBackend(Backend):
         config.pop("gradient_clipping", None)
         return config
 
-    def load_target(self, target_dir: str, dtype: torch.dtype) -> nn.Module:
-        if dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"target dtype must be float32 or bfloat16 (fp16 is unsupported), got {dtype}")
+    def _load_target(self, target_dir: str, dtype: torch.dtype) -> nn.Module:
+        from transformers import AutoModelForCausalLM
+        from transformers.integrations.deepspeed import set_hf_deepspeed_config, unset_hf_deepspeed_config
+
         config = self._target_config(dtype)
         # While registered, from_pretrained builds under zero.Init (partitioned at construction) and
         # loads each weight into its partitions; unregistered afterwards so later models are ordinary.
@@ -78,18 +195,15 @@ class DeepSpeedBackend(Backend):
         finally:
             unset_hf_deepspeed_config()
         model.requires_grad_(False)
-        engine, *_ = deepspeed.initialize(model=model, config=config, mpu=self.mpu)
+        engine, *_ = _deepspeed().initialize(model=model, config=config, mpu=self.mpu)
         engine.eval()
         return engine
 
-    def target_module(self, target: nn.Module) -> nn.Module:
-        return _unwrap(target)
-
     def target_head(self, target: nn.Module, dtype: torch.dtype) -> TargetHead:
-        tensors = head_tensors(_unwrap(target))
+        tensors = head_tensors(self.unwrap(target))
         # a tied LM head is the embedding itself: gather each parameter once
         params = list({id(p): p for p in tensors if p is not None}.values())
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        with _deepspeed().zero.GatheredParameters(params, modifier_rank=None):
             copies = [None if p is None else p.detach().clone().to(self.device, dtype) for p in tensors]
         return TargetHead(*copies)
 
@@ -104,7 +218,7 @@ class DeepSpeedBackend(Backend):
         config["zero_allow_untested_optimizer"] = True  # torch AdamW as the client optimizer
         draft.float()  # fp32 master weights; DeepSpeed keeps a bf16 working copy when bf16 is enabled
         optimizer, scheduler = build_optimizer(draft, optim)
-        self.engine, *_ = deepspeed.initialize(
+        self.engine, *_ = _deepspeed().initialize(
             model=draft, optimizer=optimizer, lr_scheduler=scheduler, config=config, mpu=self.mpu
         )
         self.compute_dtype = torch.bfloat16 if precision == "bf16" else torch.float32
@@ -136,11 +250,12 @@ class DeepSpeedBackend(Backend):
     # ---- state --------------------------------------------------------------------------------------
 
     def full_draft_state_dict(self) -> dict[str, torch.Tensor] | None:
-        module = _unwrap(self._require_engine())
+        deepspeed = _deepspeed()
+        module = self.unwrap(self._require_engine())
         state: dict[str, torch.Tensor] = {}
         for name, param in module.named_parameters():
             if param.requires_grad:
-                full = safe_get_full_fp32_param(param)  # fp32 master weights, gathered
+                full = deepspeed.utils.safe_get_full_fp32_param(param)  # fp32 master weights, gathered
             else:
                 with deepspeed.zero.GatheredParameters([param], modifier_rank=None):
                     full = param.detach().clone()
@@ -193,15 +308,15 @@ class DeepSpeedBackend(Backend):
         self.barrier()
 
     def _trainable(self) -> dict[str, nn.Parameter]:
-        module = _unwrap(self._require_engine())
+        module = self.unwrap(self._require_engine())
         return {name: p for name, p in module.named_parameters() if p.requires_grad}
 
     def _saved_partition(self, param: nn.Parameter, key: str) -> state_io.FlatShard:
         """This rank's ZeRO-3 partition of `param`'s fp32 weights or AdamW moment, without the padding."""
         if key == "fp32":
-            local = safe_get_local_fp32_param(param)
+            local = _deepspeed().utils.safe_get_local_fp32_param(param)
         else:
-            local = safe_get_local_optimizer_state(param, key)
+            local = _deepspeed().utils.safe_get_local_optimizer_state(param, key)
         begin, end = state_io.chunk_range(param.ds_numel, self.rank, self.world_size)
         return state_io.FlatShard(local.reshape(-1)[: end - begin], tuple(param.ds_shape), begin)
 
@@ -211,11 +326,11 @@ class DeepSpeedBackend(Backend):
         partition = torch.zeros(param.ds_tensor.ds_numel, dtype=torch.float32, device=self.device)
         partition[: piece.numel()] = piece
         if key == "fp32":
-            safe_set_local_fp32_param(param, partition)
+            _deepspeed().utils.safe_set_local_fp32_param(param, partition)
             with torch.no_grad():  # what ZeRO-3's own loader does: working weights from the fp32 master
                 param.ds_tensor.data.copy_(partition)
         else:
-            safe_set_local_optimizer_state(param, partition, key)
+            _deepspeed().utils.safe_set_local_optimizer_state(param, partition, key)
 
     def _restore_optimizer_globals(self, state: dict) -> None:
         """AdamW's step count and hyper-parameters; its moments start as zeros, to be overwritten."""
@@ -237,7 +352,3 @@ class DeepSpeedBackend(Backend):
         persistent = self._require_engine().optimizer.persistent_parameters
         if persistent:
             persistent[0].partition(persistent)
-
-
-def _unwrap(module: nn.Module) -> nn.Module:
-    return module.module if isinstance(module, deepspeed.DeepSpeedEngine) else module

@@ -31,7 +31,6 @@ import torch.distributed as dist
 from deepspeed.accelerator import get_accelerator
 
 VERIFIED_VERSION = "0.19.8"  # the version whose call sites the patches below were checked against
-_active_mpu: GroupMpu | None = None
 
 
 class GroupMpu:
@@ -64,11 +63,6 @@ class GroupMpu:
         return 0
 
 
-def active_mpu() -> GroupMpu | None:
-    """The unit of the group DeepSpeed is confined to (None: the whole world)."""
-    return _active_mpu
-
-
 def _int_tensor(values) -> torch.Tensor:
     device = torch.device(get_accelerator().device_name(os.environ.get("LOCAL_RANK", 0)))
     return torch.tensor(values, dtype=int, device=device, requires_grad=False)
@@ -98,17 +92,16 @@ def _trace_checks_on(group: dist.ProcessGroup):
 
 @contextmanager
 def confine_deepspeed(group: dist.ProcessGroup) -> Iterator[GroupMpu]:
-    """While inside, DeepSpeed's world-wide collectives listed above use `group`, and
-    `active_mpu()` is the `mpu` to pass to `deepspeed.initialize`. Every rank of `group` enters it,
-    no other rank does."""
-    global _active_mpu
+    """While inside, DeepSpeed's world-wide collectives listed above use `group`; the `as` value is
+    the group's model-parallel unit, the `mpu` to pass to `deepspeed.initialize` (DeepSpeedBackend's
+    `mpu`). Every rank of `group` enters it, no other rank does."""
     if deepspeed.__version__ != VERIFIED_VERSION:
         raise ValueError(
             f"DeepSpeed {deepspeed.__version__} is installed; topology=disaggregated with backend=deepspeed "
             f"is verified on {VERIFIED_VERSION} only (its world-wide collectives are redirected call by call): "
             f"install deepspeed=={VERIFIED_VERSION} or use backend=fsdp"
         )
-    assert _active_mpu is None, "confine_deepspeed does not nest"
+    assert not hasattr(deepspeed.zero.Init, "role_mpu"), "confine_deepspeed does not nest"
     role_group = group
     originals = (
         deepspeed.comm.barrier,
@@ -123,7 +116,7 @@ def confine_deepspeed(group: dist.ProcessGroup) -> Iterator[GroupMpu]:
 
     def zero_init_on_role(*args, data_parallel_group=None, mpu=None, **kwargs):
         # the group partitions the parameters; the mpu sizes the config's batch checks to the group
-        group_, mpu_ = data_parallel_group or role_group, mpu or _active_mpu
+        group_, mpu_ = data_parallel_group or role_group, mpu or role_mpu
         return zero_init(*args, data_parallel_group=group_, mpu=mpu_, **kwargs)
 
     deepspeed.comm.barrier = barrier_on_role
@@ -131,9 +124,10 @@ def confine_deepspeed(group: dist.ProcessGroup) -> Iterator[GroupMpu]:
         role_group
     )
     deepspeed.zero.Init = zero_init_on_role
-    _active_mpu = GroupMpu(role_group)
+    role_mpu = GroupMpu(role_group)
+    zero_init_on_role.role_mpu = role_mpu  # marks the patch: nesting is refused above
     try:
-        yield _active_mpu
+        yield role_mpu
     finally:
         (
             deepspeed.comm.barrier,
@@ -141,4 +135,3 @@ def confine_deepspeed(group: dist.ProcessGroup) -> Iterator[GroupMpu]:
             zero_utils.get_lst_from_rank0,
             deepspeed.zero.Init,
         ) = originals
-        _active_mpu = None

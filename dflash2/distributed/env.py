@@ -2,24 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import sys
 import time
-from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from dflash2.distributed.base import Backend
-from dflash2.distributed.ds_config import resolve_ds_config
+from dflash2.distributed.registry import backend_class
 from dflash2.faults import collective_timeout
 
-BackendName = Literal["deepspeed", "fsdp"]
-BACKEND_NAMES = ("deepspeed", "fsdp")
 # DeepSpeed JIT-compiles ops (on CPU, its shared-memory comm op at init_distributed) behind a `lock`
 # file in the torch extensions directory; those builds take seconds to a few minutes
 BUILD_LOCK_STALE_S = 900.0
@@ -85,31 +80,22 @@ def _fill_launch_env() -> None:
     os.environ.setdefault("LOCAL_RANK", "0")
 
 
-def init_distributed(backend_name: BackendName) -> tuple[int, int, int]:
-    """Start the default process group (gloo on CPU, nccl on CUDA); returns (rank, world_size, local_rank).
+def init_distributed(backend_name: str) -> tuple[int, int, int]:
+    """Start the default process group (gloo on CPU, nccl on CUDA) the way backend `backend_name`
+    starts it; returns (rank, world_size, local_rank).
 
     Works under torchrun, under the deepspeed launcher and as a plain one-process `python` run.
     Idempotent: a second call returns the existing group's coordinates. Collectives wait at most
     `collective_timeout()` (DFLASH2_DIST_TIMEOUT_S); groups made later must pass it too (new_group
     does not inherit it).
     """
-    if backend_name not in BACKEND_NAMES:
-        raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend_name!r}")
+    backend = backend_class(backend_name)
     _fill_launch_env()
     local_rank = int(os.environ["LOCAL_RANK"])
     if not dist.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(local_rank)
-        comm = "nccl" if torch.cuda.is_available() else "gloo"
-        timeout = collective_timeout()
-        if backend_name == "deepspeed":
-            import deepspeed
-
-            check_build_locks()
-
-            deepspeed.init_distributed(dist_backend=comm, auto_mpi_discovery=False, timeout=timeout)
-        else:
-            dist.init_process_group(backend=comm, timeout=timeout)
+        backend.start_process_group("nccl" if torch.cuda.is_available() else "gloo", collective_timeout())
     return dist.get_rank(), dist.get_world_size(), local_rank
 
 
@@ -122,59 +108,23 @@ def shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
-def role_scope(name: BackendName, group: dist.ProcessGroup) -> AbstractContextManager:
-    """What backend `name` needs for a role that runs on `group` alone while the rest of the world
-    runs other code (the disaggregated topology): build and use the backend inside it. DeepSpeed's
-    world-wide collectives are confined to the group; FSDP2 needs nothing."""
-    if name != "deepspeed":
-        return nullcontext()
-    from dflash2.distributed.deepspeed_groups import confine_deepspeed
-
-    return confine_deepspeed(group)
-
-
 def build_backend(
-    name: BackendName,
+    name: str,
     ds_config_path: str | None,
     micro_batch_size: int,
     grad_accum_steps: int,
     *,
     target_group: dist.ProcessGroup | None = None,
     draft_group: dist.ProcessGroup | None = None,
+    scope: object | None = None,
 ) -> Backend:
-    """The backend `name`, after init_distributed(name). `ds_config_path` is required for deepspeed only."""
-    if name == "deepspeed":
-        if ds_config_path is None:
-            raise ValueError("backend 'deepspeed' needs a ds_config path (e.g. ds_configs/zero3.json)")
-        # each backend module is imported only when chosen: deepspeed is heavy and fsdp runs never need it
-        from dflash2.distributed.deepspeed_backend import DeepSpeedBackend
-
-        ds_config = json.loads(Path(ds_config_path).read_text())
-        dp_world_size = dist.get_world_size(draft_group)
-        resolved = resolve_ds_config(
-            ds_config,
-            micro_batch_size=micro_batch_size,
-            grad_accum_steps=grad_accum_steps,
-            dp_world_size=dp_world_size,
-        )
-        return DeepSpeedBackend(
-            resolved,
-            micro_batch_size=micro_batch_size,
-            grad_accum_steps=grad_accum_steps,
-            target_group=target_group,
-            draft_group=draft_group,
-        )
-    if name == "fsdp":
-        if ds_config_path is not None:
-            raise ValueError(
-                f"ds_config {ds_config_path!r} is only used by backend 'deepspeed'; unset it for 'fsdp'"
-            )
-        from dflash2.distributed.fsdp_backend import FSDPBackend
-
-        return FSDPBackend(
-            micro_batch_size=micro_batch_size,
-            grad_accum_steps=grad_accum_steps,
-            target_group=target_group,
-            draft_group=draft_group,
-        )
-    raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {name!r}")
+    """The backend `name`, after init_distributed(name). `ds_config_path` is required for deepspeed
+    only; `scope` is what the backend's role_scope yielded (disaggregated roles)."""
+    return backend_class(name).build(
+        ds_config_path,
+        micro_batch_size,
+        grad_accum_steps,
+        target_group=target_group,
+        draft_group=draft_group,
+        scope=scope,
+    )

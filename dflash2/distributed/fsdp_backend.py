@@ -15,7 +15,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dflash2.config import OptimConfig
-from dflash2.distributed.base import Backend, build_optimizer, sharded_block_types
+from dflash2.distributed.base import DTYPE_BYTES, Backend, MemoryItem, ParamCounts, sharded_block_types
+from dflash2.optim import build_optimizer, step_optimizer
 from dflash2.target.head import TargetHead, head_tensors
 from dflash2.target.load import load_sharded_target
 
@@ -53,11 +54,38 @@ class FSDPBackend(Backend):
                 fully_shard(module, **kwargs)
         fully_shard(model, **kwargs)
 
+    @classmethod
+    def plan_draft_state(
+        cls, counts: ParamCounts, precision: str, num_shards: int, offload: tuple[bool, bool]
+    ) -> list[MemoryItem]:
+        # fp32 sharded parameters are the master weights; bf16 exists only as gathered compute copies
+        numel, fp32 = counts.total / num_shards, DTYPE_BYTES["fp32"]
+        per = f"{counts.total / 1e9:.3f} B / {num_shards}"
+        return [
+            MemoryItem("draft parameters", numel * fp32, f"{per}, fp32 shards"),
+            MemoryItem("draft gradients", numel * fp32, f"{per}, fp32 shards"),
+            MemoryItem("draft optimizer state", numel * 2 * fp32, "AdamW exp_avg + exp_avg_sq, fp32"),
+        ]
+
+    @classmethod
+    def plan_gathered(cls, counts: ParamCounts, dtype_bytes: int, with_grads: bool) -> tuple[float, str]:
+        # FSDP2 keeps the root unit unsharded after forward; one block computes while the next prefetches.
+        numel = counts.root + 2 * counts.largest_block
+        # unsharded grads before reduce-scatter
+        grads = counts.largest_block * DTYPE_BYTES["fp32"] if with_grads else 0
+        note = "root unit + 2 blocks (compute + prefetch)" + (
+            " + one block's fp32 grads" if with_grads else ""
+        )
+        return numel * dtype_bytes + grads, note
+
+    def _param_numel(self, param: torch.Tensor) -> tuple[int, int]:
+        if isinstance(param, DTensor):  # FSDP2 shard
+            return param.to_local().numel(), param.numel()
+        return super()._param_numel(param)
+
     # ---- target -------------------------------------------------------------------------------------
 
-    def load_target(self, target_dir: str, dtype: torch.dtype) -> nn.Module:
-        if dtype not in (torch.float32, torch.bfloat16):
-            raise ValueError(f"target dtype must be float32 or bfloat16 (fp16 is unsupported), got {dtype}")
+    def _load_target(self, target_dir: str, dtype: torch.dtype) -> nn.Module:
         # built on the meta device and sharded first: each rank reads only its own shards from disk
         return load_sharded_target(target_dir, dtype, self.device, self._shard_target)
 
@@ -111,12 +139,9 @@ class FSDPBackend(Backend):
         self._check_micro_step(self._micro_steps)
         params = [p for p in draft.parameters() if p.requires_grad]
         grad_norm = _full(torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm))
-        lr = self.optimizer.param_groups[0]["lr"]
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        lr = step_optimizer(self.optimizer, self.scheduler)
         self._micro_steps = 0
-        return {"grad_norm": float(grad_norm), "lr": float(lr)}
+        return {"grad_norm": float(grad_norm), "lr": lr}
 
     # ---- state --------------------------------------------------------------------------------------
 

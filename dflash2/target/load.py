@@ -1,4 +1,4 @@
-"""A frozen Hugging Face target for FSDP2 without a full copy per rank.
+"""A frozen Hugging Face target: for FSDP2 without a full copy per rank, or whole (load_full_target).
 
 The model is built on the meta device (no memory), sharded with `fully_shard`, given empty local
 shards, and each rank then reads only its own rows of every tensor from the safetensors files. The
@@ -243,3 +243,12 @@ def init_non_persistent_buffers(model: nn.Module) -> None:
     for module in model.modules():  # set by the weight init at construction: let the pass run
         module._is_hf_initialized = False
     model.initialize_weights()
+
+
+def load_full_target(target_dir: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """The whole target in this process (no sharding): from_pretrained, frozen, eval(), on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype)
+    model.requires_grad_(False)
+    return model.eval().to(device)

@@ -1,0 +1,144 @@
+"""One process, no process group: the whole target and the whole draft in this process, collectives
+the identity. What the Python API trains with (a notebook, a script, a test); a launched run names
+a backend of config.BACKENDS instead."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dflash2.config import OptimConfig
+from dflash2.distributed.base import Backend, RankLayout
+from dflash2.optim import build_optimizer, step_optimizer
+from dflash2.target.head import TargetHead
+from dflash2.target.load import load_full_target
+
+if TYPE_CHECKING:
+    from dflash2.config import RunConfig
+
+
+class LocalBackend(Backend):
+    """`device`: where the target and the draft run (None: the accelerator, else the CPU)."""
+
+    name = "local"
+
+    def __init__(
+        self,
+        *,
+        micro_batch_size: int = 1,
+        grad_accum_steps: int = 1,
+        device: str | torch.device | None = None,
+    ) -> None:
+        super().__init__(
+            RankLayout.single(device), micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps
+        )
+        self.draft: nn.Module | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self.max_grad_norm = 0.0
+        self._micro_steps = 0
+
+    @classmethod
+    def build(
+        cls,
+        config_path: str | None,
+        micro_batch_size: int,
+        grad_accum_steps: int,
+        *,
+        target_group: dist.ProcessGroup | None = None,
+        draft_group: dist.ProcessGroup | None = None,
+        scope: object | None = None,
+    ) -> LocalBackend:
+        if config_path is not None or target_group is not None or draft_group is not None:
+            raise ValueError(f"backend {cls.name!r} runs in one process: it takes no ds_config and no group")
+        return cls(micro_batch_size=micro_batch_size, grad_accum_steps=grad_accum_steps)
+
+    @classmethod
+    def from_run_config(
+        cls, cfg: RunConfig, *, group: dist.ProcessGroup | None = None, scope: object | None = None
+    ) -> LocalBackend:
+        """The run's batch layout for one process (train.global_batch_size decides the accumulation)."""
+        return super().from_run_config(cfg.with_batch_layout(1), group=group, scope=scope)
+
+    # ---- target -------------------------------------------------------------------------------------
+
+    def _load_target(self, target_dir: str, dtype: torch.dtype) -> nn.Module:
+        return load_full_target(target_dir, dtype, self.device)
+
+    def target_head(self, target: nn.Module, dtype: torch.dtype) -> TargetHead:
+        return TargetHead.from_target(target, dtype).to(self.device)
+
+    # ---- draft --------------------------------------------------------------------------------------
+
+    def setup_draft(
+        self, draft: nn.Module, optim: OptimConfig, precision: Literal["fp32", "bf16"]
+    ) -> nn.Module:
+        """fp32 weights and compute: mixed precision (fp32 master weights, bf16 compute) is what the
+        sharding wrappers of fsdp and deepspeed provide."""
+        if precision != "fp32":
+            raise ValueError(
+                f"backend {self.name!r} trains in fp32 only, got precision={precision!r}: set precision=fp32, "
+                "or train bf16 with backend=fsdp or backend=deepspeed"
+            )
+        self.draft = draft.float().to(self.device)
+        self.optimizer, self.scheduler = build_optimizer(self.draft, optim)
+        self.max_grad_norm = optim.max_grad_norm
+        return self.draft
+
+    def _require_draft(self) -> nn.Module:
+        if self.draft is None:
+            raise RuntimeError("call setup_draft() first")
+        return self.draft
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self._require_draft()
+        loss.backward()  # gradients accumulate in .grad across micro-steps
+        self._micro_steps += 1
+
+    def step(self) -> dict[str, float]:
+        draft = self._require_draft()
+        self._check_micro_step(self._micro_steps)
+        params = [p for p in draft.parameters() if p.requires_grad]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+        lr = step_optimizer(self.optimizer, self.scheduler)
+        self._micro_steps = 0
+        return {"grad_norm": float(grad_norm), "lr": lr}
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.detach().clone()
+
+    def barrier(self) -> None:
+        pass
+
+    # ---- state --------------------------------------------------------------------------------------
+
+    def full_draft_state_dict(self) -> dict[str, torch.Tensor]:
+        return {
+            name: t.detach().float().cpu().clone() for name, t in self._require_draft().state_dict().items()
+        }
+
+    def save_state(self, ckpt_dir: Path) -> None:
+        state = {
+            "model": self._require_draft().state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "lr_scheduler": self.scheduler.state_dict(),
+        }
+        self._write_rank_state(ckpt_dir, state)
+
+    def load_state(self, ckpt_dir: Path, num_saved_ranks: int) -> None:
+        draft = self._require_draft()
+        state = self._read_rank_state(ckpt_dir, num_saved_ranks, lambda shape: (0, _numel(shape)))
+        with torch.no_grad():
+            for name, tensor in draft.state_dict().items():
+                tensor.copy_(state["model"][name].view(tensor.shape))
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["lr_scheduler"])
+        self._micro_steps = 0
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    return torch.Size(shape).numel()

@@ -1,0 +1,80 @@
+"""LocalBackend (one process, no process group) against FSDP2 on one gloo rank: the same run of the
+tiny config through launch/train.py, step for step; and a LocalBackend checkpoint resumes exactly."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.run_helpers import REPO, TINY_CONFIG, check_ok, launch_train, metrics, run
+
+SCRIPT = REPO / "tests" / "dist_scripts" / "train_local.py"
+STEPS = 3
+COMPARED = ("loss", "base_loss", "selector_loss", "grad_norm", "lr", "accuracy", "insample_accept_len")
+
+
+@pytest.fixture(scope="module")
+def common(tiny_default) -> list[str]:
+    return [
+        f"model.target={tiny_default.target_dir}",
+        f"data.train={tiny_default.train_jsonl}",
+        "data.max_length=96",
+        "objective.num_anchors=8",
+        "train.progress_bar=false",
+        "train.log_every=1",
+        "train.lr=3e-3",
+        "train.weight_decay=0.01",  # both AdamW parameter groups
+        "train.warmup_steps=0",
+        f"train.max_steps={STEPS}",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=4",  # 2 accumulation steps in one process
+        "train.export=false",
+    ]
+
+
+def train_local(overrides: list[str]):
+    return check_ok(run([sys.executable, str(SCRIPT), str(TINY_CONFIG), *overrides]))
+
+
+def final_weights(run_dir: Path, step: int = STEPS) -> dict[str, torch.Tensor]:
+    return load_file(run_dir / "checkpoints" / f"step_{step:08d}" / "draft.safetensors")
+
+
+@pytest.fixture(scope="module")
+def local_run(common, tmp_path_factory) -> Path:
+    run_dir = tmp_path_factory.mktemp("local")
+    train_local([*common, f"output_dir={run_dir}", "train.save_every=2"])
+    return run_dir
+
+
+def test_local_backend_matches_fsdp2_on_one_rank(local_run, common, tmp_path):
+    check_ok(launch_train(1, [*common, f"output_dir={tmp_path}", "backend=fsdp", "train.save_every=2"]))
+    local, fsdp = metrics(local_run), metrics(tmp_path)
+    assert [m["step"] for m in local] == [m["step"] for m in fsdp] == list(range(1, STEPS + 1))
+    for ours, theirs in zip(local, fsdp, strict=True):
+        for key in COMPARED:
+            assert math.isclose(ours[key], theirs[key], rel_tol=1e-6, abs_tol=1e-12), (ours["step"], key)
+    ours, theirs = final_weights(local_run), final_weights(tmp_path)
+    assert ours.keys() == theirs.keys()
+    # Adam's update divides by the gradient's root mean square, so element by element a weight whose
+    # gradient is tiny differs more: compared per tensor, relative to its norm
+    errors = {name: float((ours[name] - theirs[name]).norm() / theirs[name].norm()) for name in ours}
+    assert max(errors.values()) < 1e-6, sorted(errors.items(), key=lambda item: -item[1])[:3]
+    assert (local_run / "checkpoints" / f"step_{STEPS:08d}" / "backend" / "backend.json").is_file()
+
+
+def test_a_local_backend_checkpoint_resumes_exactly(local_run, common, tmp_path):
+    train_local([*common, f"output_dir={tmp_path}", "train.save_every=2", "train.stop_at_step=2"])
+    assert [m["step"] for m in metrics(tmp_path)] == [1, 2]
+    train_local([*common, f"output_dir={tmp_path}", "train.save_every=2"])  # resume=auto: from step 2
+    resumed, uninterrupted = metrics(tmp_path), metrics(local_run)
+    assert [m["step"] for m in resumed] == list(range(1, STEPS + 1))
+    for ours, theirs in zip(resumed, uninterrupted, strict=True):
+        assert {k: ours[k] for k in COMPARED} == {k: theirs[k] for k in COMPARED}, ours["step"]
+    ours, theirs = final_weights(tmp_path), final_weights(local_run)
+    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
