@@ -22,6 +22,8 @@ _PUBLIC = {  # name -> the module that defines it
     "TargetHead": "dflash2.models",
     "LocalBackend": "dflash2.distributed",
     "build_backend": "dflash2.distributed",
+    "RunPlan": "dflash2.run_plan",
+    "resolve_run": "dflash2.run_plan",
     "Setup": "dflash2.train",
     "build_setup": "dflash2.train",
     "train_step": "dflash2.train",
