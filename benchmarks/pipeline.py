@@ -56,11 +56,13 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 if str(REPO_ROOT) not in sys.path:  # run as a plain script from any directory
     sys.path.insert(0, str(REPO_ROOT))
 
+from dflash2.checkpoint import TrainState  # noqa: E402
 from dflash2.config import RunConfig, load_run_config  # noqa: E402
-from dflash2.data.loader import anchor_generators, micro_batches  # noqa: E402
+from dflash2.data.loader import StepBatch, anchor_generators, step_batches  # noqa: E402
 from dflash2.distributed import init_distributed, shutdown_distributed  # noqa: E402
 from dflash2.objective import plan_blocks  # noqa: E402
 from dflash2.run import offline_features, run, run_backend  # noqa: E402
+from dflash2.run_plan import resolve_run  # noqa: E402
 from dflash2.timing import ITERATION, STEP, StepTimer, region  # noqa: E402
 from dflash2.train import Setup, build_setup, capture_features, fit, load_batch, train_step  # noqa: E402
 
@@ -162,28 +164,32 @@ class CachedFeatures:
         return features
 
 
-def run_steps(cfg: RunConfig, setup: Setup, num_steps: int) -> list[tuple[list[list[int]], list[int]]]:
-    """(micro-batch indices, their epochs) of the first `num_steps` optimizer steps, as fit takes them."""
-    stream = micro_batches(
+def run_steps(setup: Setup, num_steps: int) -> list[StepBatch]:
+    """The first `num_steps` optimizer steps, as fit takes them."""
+    t = setup.cfg.train
+    steps = step_batches(
         len(setup.dataset),
-        cfg.train.micro_batch_size,
-        cfg.train.grad_accum_steps,
-        cfg.seed,
+        t.micro_batch_size,
+        t.grad_accum_steps,
+        setup.cfg.seed,
         setup.backend.rank,
         setup.backend.draft_world_size,
     )
-    steps = []
-    for _ in range(num_steps):
-        taken = [next(stream) for _ in range(cfg.train.grad_accum_steps)]
-        steps.append(([indices for _, _, indices in taken], [epoch for epoch, _, _ in taken]))
-    return steps
+    return [next(steps) for _ in range(num_steps)]
 
 
-def fit_pass(cfg: RunConfig, setup: Setup, out_dir: Path, num_steps: int, breakdown: bool) -> list[dict]:
+def pass_setup(setup: Setup, out_dir: Path, num_steps: int) -> Setup:
+    """The setup of one timed pass: `num_steps` steps from the start, in its own directory."""
+    config = pass_config(setup.cfg, out_dir, num_steps)
+    plan = dataclasses.replace(setup.plan, config=config, resume_from=None, start=TrainState())
+    return dataclasses.replace(setup, plan=plan)
+
+
+def fit_pass(setup: Setup, out_dir: Path, num_steps: int, breakdown: bool) -> list[dict]:
     timer = StepTimer(setup.backend.device, breakdown=breakdown, keep_history=True)
     hooks = timer.time_module(setup.draft, "draft_forward") if breakdown else []
     out_dir.mkdir(parents=True, exist_ok=True)
-    fit(pass_config(cfg, out_dir, num_steps), setup, timer=timer)
+    fit(pass_setup(setup, out_dir, num_steps), timer=timer)
     for hook in hooks:
         hook.remove()
     return timer.history
@@ -192,9 +198,9 @@ def fit_pass(cfg: RunConfig, setup: Setup, out_dir: Path, num_steps: int, breakd
 def capture_pass(setup: Setup, steps: list) -> tuple[list[dict], CachedFeatures]:
     timer = StepTimer(setup.backend.device, keep_history=True)
     cache = CachedFeatures()
-    for micro, _ in steps:
+    for step in steps:
         timer.start_step()
-        for indices in micro:
+        for indices in step.micro:
             batch = load_batch(setup, indices)
             with torch.no_grad(), timer.region("capture"):
                 features = capture_features(setup, batch, indices).to(setup.backend.compute_dtype)
@@ -204,33 +210,33 @@ def capture_pass(setup: Setup, steps: list) -> tuple[list[dict], CachedFeatures]
     return timer.history, cache
 
 
-def draft_pass(cfg: RunConfig, setup: Setup, steps: list, cache: CachedFeatures) -> list[dict]:
+def draft_pass(setup: Setup, steps: list[StepBatch], cache: CachedFeatures) -> list[dict]:
     timer = StepTimer(setup.backend.device, keep_history=True)
     from_cache = dataclasses.replace(setup, features=cache)
-    for micro, epochs in steps:
+    for step in steps:
         timer.start_step()
-        train_step(from_cache, micro, epochs, cfg.seed, timer)
+        train_step(from_cache, step, timer)
         timer.step_seconds()
         timer.finish()
     return timer.history
 
 
-def supervised_rows(cfg: RunConfig, setup: Setup, micro: list[list[int]], epochs: list[int]) -> list[int]:
+def supervised_rows(setup: Setup, step: StepBatch) -> list[int]:
     """Rows each micro-batch sends through the LM head (its supervised block slots), as train_step plans them."""
     rows = []
-    for indices, epoch in zip(micro, epochs):
+    for indices in step.micro:
         batch = load_batch(setup, indices)
         plan = plan_blocks(
             batch["input_ids"],
             batch["loss_mask"],
             setup.objective,
-            anchor_generators(cfg.seed, epoch, indices),
+            anchor_generators(setup.cfg.seed, step.epoch, indices),
         )
         rows.append(int((plan.weights > 0).sum()))
     return rows
 
 
-def floor_pass(cfg: RunConfig, setup: Setup, steps: list, repeats: int) -> list[dict]:
+def floor_pass(setup: Setup, steps: list[StepBatch], repeats: int) -> list[dict]:
     """Per step: the bare LM-head matmuls of its micro-batches' chunks; each chunk shape is timed
     `repeats` times after a warm-up (median)."""
     weight, bias = setup.head.lm_head_weight, setup.head.lm_head_bias
@@ -253,10 +259,10 @@ def floor_pass(cfg: RunConfig, setup: Setup, steps: list, repeats: int) -> list[
         return timed[num_rows]
 
     history = []
-    for micro, epochs in steps:
+    for step in steps:
         chunks = [
             chunk_seconds(min(chunk_rows, rows - start))
-            for rows in supervised_rows(cfg, setup, micro, epochs)
+            for rows in supervised_rows(setup, step)
             for start in range(0, rows, chunk_rows)
         ]
         history.append({"wall": sum(w for w, _ in chunks), "cpu": sum(c for _, c in chunks)})
@@ -368,24 +374,24 @@ def history_json(history: list) -> list:
 
 
 def measure_colocated(cfg: RunConfig, args: argparse.Namespace, work_dir: Path) -> dict:
-    cfg = cfg.with_batch_layout(cfg.data_parallel_size(dist.get_world_size()))  # as run_colocated
-    backend = run_backend(cfg)
-    setup = build_setup(cfg, backend, features=offline_features(cfg))
+    plan = resolve_run(cfg, cfg.data_parallel_size(dist.get_world_size()))  # as run_colocated
+    backend = run_backend(plan.config)
+    setup = build_setup(plan, backend, features=offline_features(plan))
     num_steps = args.warmup + args.steps
-    steps = run_steps(cfg, setup, num_steps)
+    steps = run_steps(setup, num_steps)
     passes: dict[str, list] = {}
     if "full" in args.passes:
-        passes["full"] = fit_pass(cfg, setup, work_dir / "full", num_steps, breakdown=False)
+        passes["full"] = fit_pass(setup, work_dir / "full", num_steps, breakdown=False)
     if "capture" in args.passes:
         passes["capture"], cache = capture_pass(setup, steps)
     if "draft" in args.passes:
-        passes["draft"] = draft_pass(cfg, setup, steps, cache)
+        passes["draft"] = draft_pass(setup, steps, cache)
     if "breakdown" in args.passes:
-        passes["breakdown"] = fit_pass(cfg, setup, work_dir / "breakdown", num_steps, breakdown=True)
+        passes["breakdown"] = fit_pass(setup, work_dir / "breakdown", num_steps, breakdown=True)
     if "floor" in args.passes:
-        passes["floor"] = floor_pass(cfg, setup, steps, args.floor_repeats)
+        passes["floor"] = floor_pass(setup, steps, args.floor_repeats)
     summary = summarize_colocated(passes, args.warmup)
-    rows = supervised_rows(cfg, setup, *steps[-1]) if "floor" in args.passes else None
+    rows = supervised_rows(setup, steps[-1]) if "floor" in args.passes else None
     mine = {"rank": dist.get_rank(), "summary": summary, "last_step_rows": rows}
     mine["passes"] = {name: history_json(history) for name, history in passes.items()}
     everyone = [None] * dist.get_world_size()

@@ -40,6 +40,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a plain script from any directory
 
 from dflash2.config import ObjectiveSection  # noqa: E402
 from dflash2.models import TargetHead, build_draft  # noqa: E402
+from dflash2.models.config import ARCHITECTURES, DFLASH2  # noqa: E402
 from dflash2.objective import ObjectiveConfig, compute_objective  # noqa: E402
 
 VARIANTS = ("chunked", "naive", "kl", "tv")
@@ -81,7 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     add("--batch", type=int, default=1, help="sequences per step")
     add("--repeats", type=int, default=3, help="timed steps per measurement (median reported)")
-    add("--architecture", default="DFlash2DraftModel", choices=["DFlashDraftModel", "DFlash2DraftModel"])
+    add("--architecture", default=DFLASH2.name, choices=list(ARCHITECTURES))
     add(
         "--chunk-rows",
         type=int,
@@ -144,8 +145,11 @@ def draft_config(args: argparse.Namespace) -> dict:
             round(i * (NUM_TARGET_LAYERS - 1) / max(args.layers, 1)) for i in range(args.layers)
         ],
     }
-    if args.architecture == "DFlash2DraftModel":
-        dflash.update(conv_kernel_size=2, conv_group_size=16, selector_rank=32, selector_top_k=16)
+    arch = ARCHITECTURES[args.architecture]
+    if arch.conv:
+        dflash.update(conv_kernel_size=2, conv_group_size=16)
+    if arch.selector:
+        dflash.update(selector_rank=32, selector_top_k=16)
     window = {}
     if args.sliding_window is not None:
         window = {"sliding_window": args.sliding_window, "use_sliding_window": True}

@@ -14,6 +14,7 @@ leaves `latest` as it was. Everything loads from safetensors and JSON: no pickle
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -30,9 +31,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from dflash2.config import RunConfig
 from dflash2.distributed.base import Backend
 from dflash2.distributed.state_io import check_backend_meta
 from dflash2.errors import ReportedError
+from dflash2.identity import RunIdentity
 from dflash2.models.config import load_config_dict
 
 CHECKPOINTS = "checkpoints"
@@ -111,22 +114,44 @@ def _as_json(obj: Any) -> Any:
     return json.loads(json.dumps(obj))
 
 
-# Contract fields that one run config key sets: a refusal names the override that restores them.
-CONTRACT_OVERRIDES = {
-    "global_batch_size": "train.global_batch_size",
-    "num_anchors": "objective.num_anchors",
-    "loss_gamma": "objective.loss_gamma",
+# The run's own fields of the contract (the draft's come from DraftSpec.contract_fields): field -> the
+# run config key that sets it. The one table of them: `run_contract` fills them, a refusal names the
+# override that restores them. `global_batch_size` is the key's value once resolved for the ranks.
+RUN_CONTRACT_KEYS = {
     "selector_loss_alpha": "objective.selector_loss_alpha",
     "selector_mode": "objective.selector_mode",
+    "loss_gamma": "objective.loss_gamma",
+    "position_weighting": "objective.position_weighting",
+    "position_decay": "objective.position_decay",
+    "ce_weight": "objective.ce_weight",
+    "kl_weight": "objective.kl_weight",
+    "tv_weight": "objective.tv_weight",
+    "distill_temperature": "objective.distill_temperature",
+    "num_anchors": "objective.num_anchors",
+    # the rendering of the same data (e.g. the thinking mode)
     "chat_template_kwargs": "data.chat_template_kwargs",
+    "global_batch_size": "train.global_batch_size",
     "seed": "seed",
 }
+
+
+def run_contract(cfg: RunConfig, identity: RunIdentity, global_batch_size: int) -> dict[str, Any]:
+    """The run's part of the contract: the RUN_CONTRACT_KEYS fields, the identities of its target,
+    tokenizer and data, and the global batch of one optimizer step."""
+    fields = {}
+    for field, key in RUN_CONTRACT_KEYS.items():
+        value = cfg
+        for name in key.split("."):
+            value = getattr(value, name)
+        fields[field] = copy.deepcopy(value)
+    identities = {"target": identity.target, "tokenizer": identity.tokenizer, "dataset": identity.dataset}
+    return {**fields, **identities, "global_batch_size": global_batch_size}
 
 
 def _restoring_override(field: str, value: Any) -> str:
     """`key=value` that sets a contract field back to `value`, quoted for a shell when it must be."""
     text = json.dumps(value) if isinstance(value, (dict, list)) or value is None else str(value)
-    item = f"{CONTRACT_OVERRIDES[field]}={text}"
+    item = f"{RUN_CONTRACT_KEYS[field]}={text}"
     return f"'{item}'" if any(c in item for c in " {}[]\"'") else item
 
 
@@ -146,7 +171,7 @@ def validate_contract(saved: dict, new: dict) -> None:
     if mismatches:
         restoring = [
             _restoring_override(field, saved[field])
-            for field in sorted(set(saved) & set(new) & set(CONTRACT_OVERRIDES))
+            for field in sorted(set(saved) & set(new) & set(RUN_CONTRACT_KEYS))
             if saved[field] != new[field]
         ]
         resume = f"To resume, add these overrides: {' '.join(restoring)}\n" if restoring else ""

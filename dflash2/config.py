@@ -13,9 +13,12 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+PRECISIONS = ("fp32", "bf16")  # the precision names of a run config (and of the CLIs that take one)
+Precision = Literal[PRECISIONS]
 
-def torch_dtype(precision: str):
-    """The torch dtype of a precision name of this config ("fp32" | "bf16")."""
+
+def torch_dtype(precision: Precision):
+    """The torch dtype of a precision name of this config."""
     import torch
 
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
@@ -48,7 +51,7 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     draft_config: str  # draft config.json (HF form, see docs/contract.md)
     target: str  # Hugging Face causal LM directory (safetensors + tokenizer)
-    target_dtype: Literal["fp32", "bf16"] | None = None  # default: the run precision
+    target_dtype: Precision | None = None  # default: the run precision
 
 
 class DataConfig(_Section):
@@ -140,7 +143,7 @@ class RunConfig(_Section):
     topology: Literal["colocated", "disaggregated"] = "colocated"
     capture_ranks: int = Field(0, ge=0)
     seed: int = 0
-    precision: Literal["fp32", "bf16"] = "fp32"
+    precision: Precision = "fp32"
     ds_config: str = "ds_configs/zero3.json"
     model: ModelConfig
     data: DataConfig

@@ -25,13 +25,15 @@ from dflash2.data.render import stop_token_ids
 from dflash2.errors import add_debug_flag, run_main
 from dflash2.models.config import (
     ARCHITECTURES,
+    CONV_KEYS,
+    DFLASH2,
+    SELECTOR_KEYS,
     check_draft_config,
     default_target_layer_ids,
     load_config_dict,
     text_config_of,
 )
 
-V2 = "DFlash2DraftModel"
 MAX_SELECTOR_RANK = 256
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
@@ -40,7 +42,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 class DraftChoices:
     """What the command line chooses; None: derived from the target (see the module docstring)."""
 
-    architecture: str = V2
+    architecture: str = DFLASH2.name
     num_layers: int = 5
     block_size: int = 8
     target_layer_ids: list[int] | None = None
@@ -115,8 +117,9 @@ def dflash_fields(cfg: dict, choices: DraftChoices, mask_token: str | None, mask
     layer_ids = choices.target_layer_ids
     if layer_ids is None:
         layer_ids = default_target_layer_ids(num_target_layers, choices.num_layers)
+    arch = ARCHITECTURES[choices.architecture]
     fields: dict[str, Any] = {"block_size": choices.block_size}
-    if choices.architecture == V2:
+    if arch.conv:
         group = flag_or(choices.conv_group_size, 16)
         if group < 1 or hidden % group:
             divisors = [d for d in range(1, 65) if hidden % d == 0]
@@ -124,23 +127,21 @@ def dflash_fields(cfg: dict, choices: DraftChoices, mask_token: str | None, mask
                 f"--conv-group-size {group} does not divide the target's hidden size {hidden}; "
                 f"pass --conv-group-size with one of its divisors, e.g. {divisors[-4:]}"
             )
+        fields.update(conv_kernel_size=flag_or(choices.conv_kernel_size, 2), conv_group_size=group)
+    if arch.selector:
         fields.update(
-            conv_kernel_size=flag_or(choices.conv_kernel_size, 2),
-            conv_group_size=group,
             selector_rank=flag_or(choices.selector_rank, min(MAX_SELECTOR_RANK, hidden // 4)),
             selector_top_k=flag_or(choices.selector_top_k, 16),
         )
-    else:
-        v2_only = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
-        given = [f"--{name.replace('_', '-')}" for name in v2_only if getattr(choices, name) is not None]
-        if given:
-            raise ValueError(f"DFlashDraftModel has no convolution or selector: drop {', '.join(given)}")
+    lacking = [name for name in CONV_KEYS + SELECTOR_KEYS if name not in arch.fields]
+    given = [f"--{name.replace('_', '-')}" for name in lacking if getattr(choices, name) is not None]
+    if given:
+        raise ValueError(f"{arch.name} has no convolution or selector: drop {', '.join(given)}")
     if mask_token is not None:
         fields["mask_token"] = mask_token
     fields.update(mask_token_id=mask_token_id, num_target_layers=num_target_layers)
     fields["target_layer_ids"] = list(layer_ids)
-    if choices.architecture == V2:
-        fields.update(output_multiplier=1.0, final_logit_softcapping=None)
+    fields.update(arch.defaults)
     return fields
 
 
@@ -241,7 +242,7 @@ def parse_layer_ids(value: str) -> list[int]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m dflash2.draft_config", description=__doc__.split("\n")[0])
     p.add_argument("--target", required=True, help="target checkpoint directory (config.json + tokenizer)")
-    p.add_argument("--arch", required=True, choices=ARCHITECTURES, dest="architecture")
+    p.add_argument("--arch", required=True, choices=list(ARCHITECTURES), dest="architecture")
     p.add_argument("--out", required=True, help="the draft config.json to write")
     p.add_argument("--num-layers", type=int, default=5, help="draft decoder layers (default 5)")
     p.add_argument("--block-size", type=int, default=8, help="default 8")

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from dflash2.config import require_path, torch_dtype
+from dflash2.config import PRECISIONS, require_path, torch_dtype
 from dflash2.data.jsonl import SampleError, iter_lines, parse_sample, prompt_turns
 from dflash2.data.render import encode_prompt, stop_token_ids
 from dflash2.decode import Clock, GenerationResult, TargetResult, speculative_generate, timed_target_generate
@@ -344,7 +344,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
         "--precision",
-        choices=("fp32", "bf16"),
+        choices=PRECISIONS,
         default="fp32",
         help="dtype of the target, the draft and the head (bf16: what a server runs, and half the memory "
         "of fp32 for a large target on a GPU)",

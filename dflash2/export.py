@@ -34,17 +34,17 @@ from dflash2.checkpoint import (
     read_draft,
     read_train_state,
 )
-from dflash2.config import require_path, torch_dtype
+from dflash2.config import PRECISIONS, require_path, torch_dtype
 from dflash2.errors import add_debug_flag, run_main
 from dflash2.models.config import (
     REQUIRED_BACKBONE_KEYS,
     draft_value,
-    expected_tensor_shapes,
     load_config_dict,
     normalize_draft_config,
     to_qwen3_config,
     validate_draft_config,
 )
+from dflash2.models.registry import expected_tensor_shapes
 from dflash2.target.files import CONFIG_FILE, SINGLE_FILE, tensor_files
 
 CONFIG_NAME = CONFIG_FILE
@@ -349,7 +349,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("source", nargs="?", help="training checkpoint dir or model dir to export")
     parser.add_argument("out_dir", nargs="?", help="export directory to write")
     parser.add_argument("--check", metavar="DIR", help="validate an export directory and exit")
-    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--dtype", choices=PRECISIONS, default="bf16")
     parser.add_argument("--tokenizer", metavar="DIR", help="tokenizer dir, to check the mask token")
     parser.add_argument("--target", metavar="DIR", help="target model dir (config.json), to check sizes")
     add_debug_flag(parser)

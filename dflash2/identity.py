@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 TOKENIZER_FILES = (
@@ -47,3 +48,17 @@ def data_identity(path: str | Path) -> str:
     for file in sorted(p for p in path.rglob("*") if p.is_file()):
         digest.update(str(file.relative_to(path)).encode() + b"\0" + file.read_bytes())
     return digest.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """The identities of a run's inputs, hashed once per run: the target's config, its tokenizer and
+    the training data (`data.train`)."""
+
+    target: str
+    tokenizer: str
+    dataset: str
+
+    @classmethod
+    def of(cls, target_dir: str | Path, data_path: str | Path) -> RunIdentity:
+        return cls(target_identity(target_dir), tokenizer_identity(target_dir), data_identity(data_path))

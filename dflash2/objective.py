@@ -17,8 +17,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from dflash2.config import ObjectiveSection
-from dflash2.models.config import logit_transform
 from dflash2.models.draft import transform_logits
+from dflash2.models.spec import DraftSpec
 from dflash2.target.head import TargetHead
 from dflash2.timing import region
 
@@ -47,23 +47,31 @@ class ObjectiveConfig(ObjectiveSection):
         )
 
     @classmethod
-    def for_draft(cls, draft: nn.Module, **settings: Any) -> ObjectiveConfig:
-        """Read block size, mask id, logit transforms and top-k off an (unwrapped) draft model once.
-        `settings`: keys of the objective section (defaults otherwise), and optionally overrides of
-        what the draft gives."""
+    def for_spec(cls, spec: DraftSpec, **settings: Any) -> ObjectiveConfig:
+        """Block size, mask id, logit transforms (the identity when the spec has none) and top-k (the
+        selector's, else coverage_top_k) from a draft's spec. `settings`: keys of the objective section
+        (defaults otherwise), and optionally overrides of what the spec gives."""
         keys = ObjectiveSection.model_fields
         section = ObjectiveSection(**{k: v for k, v in settings.items() if k in keys})
-        multiplier, softcap = logit_transform(draft.config)
-        selector = getattr(draft, "candidate_selector", None)
-        from_draft = {
-            "block_size": draft.block_size,
-            "mask_token_id": draft.mask_token_id,
-            "output_multiplier": multiplier,
-            "softcap": softcap,
-            "top_k": selector.top_k if selector is not None else section.coverage_top_k,
+        transform = spec.logit_transform
+        from_spec = {
+            "block_size": spec.block_size,
+            "mask_token_id": spec.mask_token_id,
+            "output_multiplier": transform.multiplier if transform else 1.0,
+            "softcap": transform.softcap if transform else None,
+            "top_k": spec.selector.top_k if spec.selector else section.coverage_top_k,
         }
         overrides = {k: v for k, v in settings.items() if k not in keys}
-        return cls(**section.model_dump(), **{**from_draft, **overrides})
+        return cls(**section.model_dump(), **{**from_spec, **overrides})
+
+    @classmethod
+    def for_draft(cls, draft: nn.Module, **settings: Any) -> ObjectiveConfig:
+        """`for_spec` of an (unwrapped) draft model's spec."""
+        return cls.for_spec(draft.spec, **settings)
+
+    def summarize(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The logged scalars of a step's (globally reduced) metric sums (`summarize_metrics`)."""
+        return summarize_metrics(sums, self.selector_loss_alpha)
 
 
 @dataclass
@@ -535,65 +543,79 @@ def compute_objective(
     *,
     blocks: Blocks | None = None,
     naive: bool = False,
+    selector: nn.Module | None = None,
 ) -> ObjectiveOutput:
     """batch: input_ids [b, S], loss_mask [b, S], features [b, S, K*H] (target hidden states).
 
-    `draft` may be a sharding wrapper (its selector is reached through `.module`); everything else
-    the objective needs is in `cfg`. `blocks` (from plan_blocks) is sampled here with `generator`
-    when not given.
+    `draft` is called like the draft (a sharding wrapper may stand for it); `selector`: its candidate
+    selector (default: `draft.candidate_selector`, none for v1). Everything else the objective needs is
+    in `cfg`. `blocks` (from plan_blocks) is sampled here with `generator` when not given.
     """
-    model = getattr(draft, "module", draft)
     input_ids = batch["input_ids"]
-    block_size = cfg.block_size
     if blocks is None:
         blocks = plan_blocks(input_ids, batch["loss_mask"], cfg, generator)
-    anchors, valid, labels, predecessors, weights = (
-        blocks.anchors,
-        blocks.valid,
-        blocks.labels,
-        blocks.predecessors,
-        blocks.weights,
+    selector = selector if selector is not None else getattr(draft, "candidate_selector", None)
+    block_ids = torch.full(
+        (*blocks.anchors.shape, cfg.block_size), cfg.mask_token_id, device=input_ids.device
     )
-
-    block_ids = torch.full((*anchors.shape, block_size), cfg.mask_token_id, device=input_ids.device)
-    block_ids[..., 0] = input_ids.gather(1, anchors)
+    block_ids[..., 0] = input_ids.gather(1, blocks.anchors)
     embeds = head.embed(block_ids).to(batch["features"].dtype)
-    hidden = draft(embeds, batch["features"], anchors)[:, :, 1:]  # [b, N, B-1, H] slots 1..B-1
+    hidden = draft(embeds, batch["features"], blocks.anchors)[:, :, 1:]  # [b, N, B-1, H] slots 1..B-1
 
-    # Only supervised rows reach the LM head.
-    rows = weights > 0
-    slot = torch.arange(1, block_size, device=rows.device).expand_as(rows)[rows] - 1  # [R], 0-based k-1
-    h, y, w, pred = hidden[rows], labels[rows], weights[rows], predecessors[rows]
-    selector = getattr(model, "candidate_selector", None)
-
+    rows, slot = _slot_rows(blocks.weights, cfg.block_size)
+    h, y, w = hidden[rows], blocks.labels[rows], blocks.weights[rows]
     base_sum, topk_ids, metrics = _block_loss(h, y, w, rows, blocks, batch, head, cfg, naive)
     unary_correct = topk_ids[:, 0] == y
-    metrics.update(_slot_metrics(slot, block_size, topk_ids, y, w))
+    metrics.update(_slot_metrics(slot, cfg.block_size, topk_ids, y, w))
     metrics["base_loss_sum"] = base_sum.detach()
-    metrics["num_anchors"] = valid.sum().float()
-    metrics["accept_len_sum"] = acceptance_length_sum(rows, unary_correct, valid)
-    metrics["accept_len_max_sum"] = acceptance_length_sum(rows, torch.ones_like(unary_correct), valid)
-    loss_sum = base_sum
+    metrics["num_anchors"] = blocks.valid.sum().float()
+    metrics["accept_len_sum"] = acceptance_length_sum(rows, unary_correct, blocks.valid)
+    metrics["accept_len_max_sum"] = acceptance_length_sum(rows, torch.ones_like(unary_correct), blocks.valid)
+    sel_sum = None
     if selector is not None:
-        scores, gold_index, in_topk = selector_scores(
-            selector, h, head, topk_ids, y, pred, cfg.output_multiplier, cfg.softcap, cfg.selector_mode
-        )
-        sel_sum = _selector_loss(scores, gold_index, in_topk, w, slot, rows, valid, cfg, metrics)
-        loss_sum = loss_sum + cfg.selector_loss_alpha * sel_sum
-    return ObjectiveOutput(loss_sum=loss_sum, weight_sum=weights.sum(), metrics=metrics)
+        sel_sum, sel_metrics = _selector_term(selector, h, head, topk_ids, blocks, rows, slot, cfg)
+        metrics.update(sel_metrics)
+    loss_sum = total_loss(base_sum, sel_sum, cfg.selector_loss_alpha)
+    return ObjectiveOutput(loss_sum=loss_sum, weight_sum=blocks.weights.sum(), metrics=metrics)
 
 
-def _selector_loss(scores, gold_index, in_topk, w, slot, rows, valid, cfg, metrics) -> torch.Tensor:
-    """sum(w_sel * CE(scores, gold index)); its metric sums go into `metrics`."""
+def _slot_rows(weights: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The supervised slots (only they reach the LM head): rows [b, N, B-1] bool, and the 0-based slot
+    index k - 1 of each of the R rows."""
+    rows = weights > 0
+    slot = torch.arange(1, block_size, device=rows.device).expand_as(rows)[rows] - 1  # [R]
+    return rows, slot
+
+
+def _selector_term(selector, h, head: TargetHead, topk_ids, blocks: Blocks, rows, slot, cfg: ObjectiveConfig):
+    """The selector's weighted CE sum over the supervised rows and its metric sums."""
+    y, w, pred = blocks.labels[rows], blocks.weights[rows], blocks.predecessors[rows]
+    scores, gold_index, in_topk = selector_scores(
+        selector, h, head, topk_ids, y, pred, cfg.output_multiplier, cfg.softcap, cfg.selector_mode
+    )
     sel_w = w if cfg.selector_mode == "insert" else w * in_topk
     sel_sum = (sel_w * F.cross_entropy(scores, gold_index, reduction="none")).sum()
-    metrics["selector_loss_sum"] = sel_sum.detach()
-    metrics["selector_weight_sum"] = sel_w.sum().detach()
     # The greedy walk's pick under the teacher-forced predecessor, over the original top-k.
     correct = in_topk & (scores.argmax(-1) == gold_index)
-    metrics["slot_selector_correct"] = _per_slot(slot, correct, cfg.block_size)
-    metrics["accept_len_selector_sum"] = acceptance_length_sum(rows, correct, valid)
-    return sel_sum
+    metrics = {
+        "selector_loss_sum": sel_sum.detach(),
+        "selector_weight_sum": sel_w.sum().detach(),
+        "slot_selector_correct": _per_slot(slot, correct, cfg.block_size),
+        "accept_len_selector_sum": acceptance_length_sum(rows, correct, blocks.valid),
+    }
+    return sel_sum, metrics
+
+
+def total_loss(base, selector, alpha: float, weight_sum: float | None = None):
+    """What is optimised: base + alpha * selector (no selector: base). Sums (tensors) for the step;
+    with `weight_sum`, the mean the loop logs as `loss` (floats), computed as base / w + alpha *
+    selector / w so that it keeps its bits."""
+    if weight_sum is None:
+        return base if selector is None else base + alpha * selector
+    loss = base / weight_sum
+    if selector is not None:
+        loss += alpha * selector / weight_sum
+    return loss
 
 
 def _block_loss(h, y, w, rows, blocks: Blocks, batch, head: TargetHead, cfg: ObjectiveConfig, naive: bool):
@@ -719,7 +741,7 @@ def summarize_metrics(sums: dict[str, torch.Tensor], alpha: float) -> dict[str, 
             out[f"{term}_loss"] = float(sums[f"{term}_loss_sum"]) / w
     if "accept_len_sampled_sum" in sums:
         out["insample_accept_len_sampled"] = float(sums["accept_len_sampled_sum"]) / blocks
-    loss = out["base_loss"]
+    selector = None
     if "selector_loss_sum" in sums:
         sel_acc = (sums["slot_selector_correct"].double() / count).tolist()
         sel_weight = float(sums["selector_weight_sum"])
@@ -731,7 +753,7 @@ def summarize_metrics(sums: dict[str, torch.Tensor], alpha: float) -> dict[str, 
         )
         out["est_accept_len_selector"] = estimated_acceptance_length(sel_acc)
         out["insample_accept_len_selector"] = float(sums["accept_len_selector_sum"]) / blocks
-        loss += alpha * float(sums["selector_loss_sum"]) / w
-    out["loss"] = loss
+        selector = float(sums["selector_loss_sum"])
+    out["loss"] = loss = total_loss(float(sums["base_loss_sum"]), selector, alpha, w)
     assert math.isfinite(loss), "non-finite loss"
     return out

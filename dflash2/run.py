@@ -22,17 +22,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from transformers import AutoConfig, AutoTokenizer
 
 from dflash2.capture.features import capture_samples
-from dflash2.capture.offline import OfflineFeatures, capture_to_dir, draft_layer_ids, feature_identity
+from dflash2.capture.offline import OfflineFeatures, capture_to_dir, feature_identity
 from dflash2.capture.transfer import FeatureReceiver, FeatureSender, capture_schedule
-from dflash2.checkpoint import read_train_state, resume_point
 from dflash2.config import RunConfig, save_run_config
-from dflash2.data.loader import micro_batches, pad_token_id_of
+from dflash2.data.loader import step_batches
 from dflash2.data.prepare import build_dataset
 from dflash2.distributed import Backend, backend_class, init_distributed, shutdown_distributed
 from dflash2.faults import collective_section, collective_timeout, stop_request
+from dflash2.run_plan import RunPlan, resolve_run
 from dflash2.train import build_setup, fit
 
 # Keys in the job's rendezvous store (disaggregated): a rank was asked to stop / the trainers are done.
@@ -69,45 +68,44 @@ def save_resolved_config(cfg: RunConfig, backend: Backend) -> None:
 # ------------------------------------------------------------------ colocated
 
 
-def offline_features(cfg: RunConfig) -> OfflineFeatures | None:
+def offline_features(plan: RunPlan) -> OfflineFeatures | None:
     """The features of data.features_dir, checked against this run; None: capture online."""
+    cfg = plan.config
     if not cfg.data.features_dir:
         return None
-    layer_ids = draft_layer_ids(cfg, AutoConfig.from_pretrained(cfg.model.target))
-    identity = feature_identity(cfg, layer_ids)
+    identity = feature_identity(cfg, plan.layer_ids, plan.identity)
     return OfflineFeatures(cfg.data.features_dir, identity, last_hidden=cfg.objective.needs_teacher)
 
 
 def run_colocated(cfg: RunConfig) -> dict[str, float]:
     init_distributed(cfg.backend)
-    cfg = cfg.with_batch_layout(cfg.data_parallel_size(dist.get_world_size()))
-    backend = run_backend(cfg)
+    plan = resolve_run(cfg, cfg.data_parallel_size(dist.get_world_size()))
+    backend = run_backend(plan.config)
     with collective_section("setup (loading the target and the draft)"):
-        setup = build_setup(cfg, backend, features=offline_features(cfg))
-    save_resolved_config(cfg, backend)  # only once the resume has been accepted
-    return fit(cfg, setup)
+        setup = build_setup(plan, backend, features=offline_features(plan))
+    save_resolved_config(plan.config, backend)  # only once the resume has been accepted
+    return fit(setup)
 
 
 def run_offline_capture(cfg: RunConfig, out_dir: str | Path, *, batch_size: int, shard_bytes: int) -> Path:
     """Capture the features of run `cfg` into `out_dir` on every rank (data_prep/capture.py)."""
     init_distributed(cfg.backend)
-    target_config = AutoConfig.from_pretrained(cfg.model.target)
-    layer_ids = draft_layer_ids(cfg, target_config)
+    plan = resolve_run(cfg)
     backend = run_backend(cfg)
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.target)
-    dataset = build_dataset(cfg.data, tokenizer, backend.is_main)
+    dataset = build_dataset(cfg.data, plan.tokenizer, backend.is_main)
     target = backend.load_target(cfg.model.target, cfg.target_torch_dtype)
     out = capture_to_dir(
         cfg,
         backend,
         target,
         dataset,
-        layer_ids,
+        plan.layer_ids,
         Path(out_dir),
-        hidden_size=target_config.get_text_config().hidden_size,
-        pad_token_id=pad_token_id_of(tokenizer),
+        hidden_size=plan.target_hidden_size,
+        pad_token_id=plan.pad_token_id,
         batch_size=batch_size,
         shard_bytes=shard_bytes,
+        identity=plan.identity,
     )
     shutdown_distributed()
     return out
@@ -129,7 +127,7 @@ def run_disaggregated(cfg: RunConfig) -> dict[str, float]:
     """Every rank calls it; returns the trainers' last metrics ({} on capture ranks)."""
     init_distributed(cfg.backend)
     check_capture_ranks(cfg.capture_ranks, dist.get_world_size())
-    cfg = cfg.with_batch_layout(cfg.data_parallel_size(dist.get_world_size()))
+    plan = resolve_run(cfg, cfg.data_parallel_size(dist.get_world_size()))
     num_capture, world_size, timeout = cfg.capture_ranks, dist.get_world_size(), collective_timeout()
     # every rank creates every group, in the same order
     capture_group = dist.new_group(list(range(num_capture)), timeout=timeout)
@@ -139,10 +137,10 @@ def run_disaggregated(cfg: RunConfig) -> dict[str, float]:
     is_capture = dist.get_rank() < num_capture
     with backend_class(cfg.backend).role_scope(capture_group if is_capture else trainer_group) as scope:
         if is_capture:
-            run_capture_rank(cfg, capture_group, transfer_group, scope)
+            run_capture_rank(plan, capture_group, transfer_group, scope)
             summary = {}
         else:
-            summary = run_trainer_rank(cfg, trainer_group, transfer_group, scope)
+            summary = run_trainer_rank(plan, trainer_group, transfer_group, scope)
     with collective_section("the end of the run"):
         dist.barrier(group=transfer_group)  # the job ends together (capture ranks may host the store)
     if dist.get_rank() == 0:
@@ -152,57 +150,54 @@ def run_disaggregated(cfg: RunConfig) -> dict[str, float]:
 
 @torch.no_grad()
 def run_capture_rank(
-    cfg: RunConfig,
+    plan: RunPlan,
     capture_group: dist.ProcessGroup,
     transfer_group: dist.ProcessGroup,
     scope: object | None = None,
 ) -> None:
     """Walk the trainers' own data order from their checkpointed position, one target forward per
     micro-batch and trainer served, and send the features."""
-    num_capture, num_trainers = cfg.capture_ranks, dist.get_world_size() - cfg.capture_ranks
-    train = cfg.train
+    cfg, start = plan.config, plan.start
+    num_capture, num_trainers, train = cfg.capture_ranks, plan.data_parallel_size, cfg.train
     backend = run_backend(cfg, capture_group, scope)
-    layer_ids = draft_layer_ids(cfg, AutoConfig.from_pretrained(cfg.model.target))
-    tokenizer = AutoTokenizer.from_pretrained(cfg.model.target)
-    pad_id = pad_token_id_of(tokenizer)
-    dataset = build_dataset(cfg.data, tokenizer, is_main=False)
+    dataset = build_dataset(cfg.data, plan.tokenizer, is_main=False)
     target = backend.load_target(cfg.model.target, cfg.target_torch_dtype)
     local, total = backend.parameter_numel(target)
     print(f"[dflash2] capture rank {backend.rank}: holds {local}/{total} target parameters", flush=True)
-
-    state = read_train_state(resume_point(train.resume, Path(cfg.output_dir)))
     rounds = capture_schedule(num_capture, num_trainers)
     mine = [t for row in rounds if (t := row[backend.rank]) is not None]
-    streams = {
-        t: micro_batches(
-            len(dataset),
-            train.micro_batch_size,
-            train.grad_accum_steps,
-            cfg.seed,
-            t,
-            num_trainers,
-            epoch=state.epoch,
-            start_step=state.step_in_epoch,
-        )
-        for t in mine
-    }
+    order = (len(dataset), train.micro_batch_size, train.grad_accum_steps, cfg.seed)
+    position = {"epoch": start.epoch, "start_step": start.step_in_epoch}
+    streams = {t: step_batches(*order, t, num_trainers, **position) for t in mine}
     sender = FeatureSender(transfer_group, train.micro_batch_size, backend.device)
     store = dist.distributed_c10d._get_default_store()  # the job's rendezvous store (no public getter)
     threading.Thread(target=_relay_stop_request, args=(store,), name="stop-relay", daemon=True).start()
-    # what fit() consumes from the resumed step on, unless the trainers stop earlier
-    for number in range((train.last_step - state.step) * train.grad_accum_steps):
-        with collective_section(f"capture of micro-batch {number + 1}"):
+
+    def send(number: int, micro: dict[int, list[int]]) -> bool:
+        """Capture micro-batch `number` for every trainer served; False: the trainers have stopped."""
+        with collective_section(f"capture of micro-batch {number}"):
             if stop_request.agreed(backend, store.check([TRAINERS_DONE_KEY])):  # every capture rank agrees
                 stop_request.stopped = True
-                break
+                return False
             for row in rounds:
                 trainer = row[backend.rank]
-                indices = next(streams[trainer])[2] if trainer is not None else []
+                indices = micro[trainer] if trainer is not None else []
+                last_hidden = cfg.objective.needs_teacher
                 features = capture_samples(
-                    backend, target, dataset, indices, layer_ids, pad_id, cfg.objective.needs_teacher
+                    backend, target, dataset, indices, plan.layer_ids, plan.pad_token_id, last_hidden
                 )
                 if trainer is not None:
                     sender.send(num_capture + trainer, indices, features)
+        return True
+
+    # what fit() consumes from the resumed step on, unless the trainers stop earlier
+    for step in range(train.last_step - start.step):
+        steps = {t: next(streams[t]) for t in mine}
+        accum = train.grad_accum_steps
+        if not all(
+            send(step * accum + j + 1, {t: s.micro[j] for t, s in steps.items()}) for j in range(accum)
+        ):
+            break
     with collective_section("delivering the last features"):
         sender.close()
 
@@ -216,21 +211,20 @@ def _relay_stop_request(store: dist.Store) -> None:
 
 
 def run_trainer_rank(
-    cfg: RunConfig,
+    plan: RunPlan,
     trainer_group: dist.ProcessGroup,
     transfer_group: dist.ProcessGroup,
     scope: object | None = None,
 ) -> dict[str, float]:
+    cfg = plan.config
     backend = run_backend(cfg, trainer_group, scope)
     source = backend.rank % cfg.capture_ranks  # trainer t is served by capture rank t % N
     receiver = FeatureReceiver(source, transfer_group, cfg.train.micro_batch_size, backend.device)
     with collective_section("setup (loading the draft and the target's head)"):
-        setup = build_setup(cfg, backend, features=receiver)
+        setup = build_setup(plan, backend, features=receiver)
     save_resolved_config(cfg, backend)  # only once the resume has been accepted
     store = dist.distributed_c10d._get_default_store()  # the job's rendezvous store (no public getter)
-    summary = fit(
-        cfg, setup, stop_vote=lambda: stop_request.signal_name is not None or store.check([STOP_KEY])
-    )
+    summary = fit(setup, stop_vote=lambda: stop_request.signal_name is not None or store.check([STOP_KEY]))
     if backend.is_main:
         store.set(TRAINERS_DONE_KEY, "1")  # the capture ranks stop sending
     with collective_section("receiving the features sent past the last step"):

@@ -8,24 +8,27 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from dflash2.config import TrainConfig
+
 
 class TrainLogger:
-    def __init__(self, run_dir: Path, cfg, start_step: int, enabled: bool) -> None:
+    def __init__(self, run_dir: Path, train: TrainConfig, start_step: int, enabled: bool) -> None:
         self.enabled = enabled
-        self.log_every = cfg.train.log_every
-        self.max_steps = cfg.train.max_steps
+        self.log_every = train.log_every
+        self.max_steps = train.max_steps
         self.writer = self.bar = None
         if not enabled:
             return
         from torch.utils.tensorboard import SummaryWriter
 
         self.tb_dir = run_dir / "tb"
+        run_dir.mkdir(parents=True, exist_ok=True)  # a run started from Python has no launcher to make it
         # Both logs keep only the steps up to the one resumed from: the steps a crash cut short are
         # trained again, and neither log doubles back.
         trim_metrics(run_dir / "metrics.jsonl", start_step)
         self.jsonl = open(run_dir / "metrics.jsonl", "a")  # one line per step, for scripts and tests
         self.writer = SummaryWriter(str(self.tb_dir), purge_step=start_step + 1)
-        if cfg.train.progress_bar:
+        if train.progress_bar:
             self.bar = tqdm(total=self.max_steps, initial=start_step, desc="train", dynamic_ncols=True)
 
     def log(self, step: int, summary: dict[str, float], sums: dict, timing: dict, step_s: float) -> None:

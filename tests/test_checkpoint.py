@@ -234,7 +234,7 @@ def test_resume_refuses_a_changed_attention_pattern_or_chat_template(tmp_path, t
     from dflash2.config import load_run_config
     from dflash2.models import build_draft
     from dflash2.models.config import load_config_dict
-    from dflash2.train import build_contract
+    from dflash2.run_plan import build_contract
     from tests.run_helpers import TINY_CONFIG
 
     paths = [
@@ -279,7 +279,7 @@ def test_resume_refuses_changed_loss_terms_or_position_weights(tmp_path, tiny_de
     from dflash2.config import load_run_config
     from dflash2.models import build_draft
     from dflash2.models.config import load_config_dict
-    from dflash2.train import build_contract
+    from dflash2.run_plan import build_contract
     from tests.run_helpers import TINY_CONFIG
 
     paths = [

@@ -22,12 +22,12 @@ from dflash2.models.config import (
     check_draft_config,
     default_target_layer_ids,
     draft_value,
-    expected_tensor_shapes,
     load_config_dict,
     normalize_draft_config,
     to_qwen3_config,
     validate_draft_config,
 )
+from dflash2.models.registry import expected_tensor_shapes
 
 TINY_V2 = "configs/draft/tiny-dflash2.json"
 TINY_V1 = "configs/draft/tiny-dflash.json"

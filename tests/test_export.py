@@ -20,7 +20,8 @@ from safetensors.torch import load_file, save_file
 
 from dflash2.export import check_export, export_config, export_draft, main, read_training_run
 from dflash2.models import TargetHead, build_draft, load_draft
-from dflash2.models.config import expected_tensor_shapes, load_config_dict, to_qwen3_config
+from dflash2.models.config import load_config_dict, to_qwen3_config
+from dflash2.models.registry import expected_tensor_shapes
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_V2 = REPO / "configs/draft/tiny-dflash2.json"

@@ -114,9 +114,13 @@ def grads(draft):
     ],
 )
 def test_objective_matches_slow_per_block_reference(architecture, mode, gamma):
-    draft = random_draft(architecture, seed=3, output_multiplier=1.3, final_logit_softcapping=8.0)
-    if architecture == "DFlashDraftModel":
-        draft.config.dflash_config.update(output_multiplier=1.0, final_logit_softcapping=None)
+    # the logit transforms are DFlash 2's (a draft reads them once, when built); v1 keeps the identity
+    transforms = (
+        dict(output_multiplier=1.3, final_logit_softcapping=8.0)
+        if architecture == "DFlash2DraftModel"
+        else {}
+    )
+    draft = random_draft(architecture, seed=3, **transforms)
     head = random_head()
     batch = make_batch()
     cfg = ObjectiveConfig.for_draft(

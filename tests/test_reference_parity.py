@@ -36,10 +36,12 @@ def reference_twin(ours):
 @pytest.mark.parametrize("architecture", ["DFlashDraftModel", "DFlash2DraftModel"])
 @pytest.mark.parametrize("context_length", [3, 11])
 def test_block_forward_and_greedy_proposal_match_reference(architecture, context_length):
-    ours = random_draft(architecture, seed=11, output_multiplier=1.5, final_logit_softcapping=20.0)
+    # the logit transforms are DFlash 2's (a draft reads them once, when built); the reference v1 has none
+    transforms = {"output_multiplier": 1.5, "final_logit_softcapping": 20.0}
+    ours = random_draft(architecture, seed=11, **(transforms if architecture == "DFlash2DraftModel" else {}))
     if architecture == "DFlashDraftModel":
-        ours.config.dflash_config.pop("output_multiplier", None)
-        ours.config.dflash_config.pop("final_logit_softcapping", None)
+        for key in transforms:
+            ours.config.dflash_config.pop(key, None)
     ref = reference_twin(ours)
     head = random_head()
     lm_head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)

@@ -28,8 +28,7 @@ from safetensors.torch import save_file
 from dflash2.capture.features import capture_samples, split_last_hidden
 from dflash2.config import RunConfig
 from dflash2.distributed import Backend
-from dflash2.identity import data_identity, target_identity, tokenizer_identity
-from dflash2.models.config import check_draft_config, draft_value, load_config_dict
+from dflash2.identity import RunIdentity
 
 MANIFEST = "manifest.json"
 FORMAT = "dflash2-features/1"
@@ -38,25 +37,19 @@ PRECISION_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}  # manifest dtype -
 VALIDATED_FIELDS = ("target", "tokenizer", "data", "chat_template_kwargs", "max_length", "target_layer_ids")
 
 
-def feature_identity(cfg: RunConfig, layer_ids: list[int]) -> dict:
-    """What a features directory is only valid for; OfflineFeatures compares it field by field."""
+def feature_identity(cfg: RunConfig, layer_ids: list[int], identity: RunIdentity | None = None) -> dict:
+    """What a features directory is only valid for; OfflineFeatures compares it field by field.
+    `identity`: the run's input identities when already hashed (default: hashed here)."""
+    identity = identity or RunIdentity.of(cfg.model.target, cfg.data.train)
     return {
-        "target": target_identity(cfg.model.target),
-        "tokenizer": tokenizer_identity(cfg.model.target),
-        "data": data_identity(cfg.data.train),
+        "target": identity.target,
+        "tokenizer": identity.tokenizer,
+        "data": identity.dataset,
         "chat_template_kwargs": dict(cfg.data.chat_template_kwargs),
         "max_length": cfg.data.max_length,
         "target_layer_ids": [int(i) for i in layer_ids],
         "dtype": DTYPE_NAMES[cfg.target_torch_dtype],  # the target ran (and the features are stored) in it
     }
-
-
-def draft_layer_ids(cfg: RunConfig, target_config) -> list[int]:
-    """The draft's target_layer_ids (defaults filled in, checked against the target)."""
-    draft_config = check_draft_config(
-        load_config_dict(cfg.model.draft_config), target_config=target_config, source=cfg.model.draft_config
-    )
-    return [int(i) for i in draft_value(draft_config, "target_layer_ids")]
 
 
 # ------------------------------------------------------------------ writing
@@ -164,9 +157,10 @@ def capture_to_dir(
     pad_token_id: int,
     batch_size: int,
     shard_bytes: int,
+    identity: RunIdentity | None = None,
 ) -> Path:
     """The whole offline capture of run `cfg` into `out_dir` (collective over the target's group):
-    shards from every rank, then the manifest from rank 0."""
+    shards from every rank, then the manifest from rank 0 (`identity`: as in feature_identity)."""
     out_dir = Path(out_dir)
     if backend.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -189,7 +183,7 @@ def capture_to_dir(
         merged = {index: name for part in gathered for index, name in part.items()}
         lengths = [len(ids) for ids in dataset["input_ids"]]
         meta = {"feature_dim": hidden_size * len(layer_ids), "last_hidden_dim": hidden_size}
-        write_manifest(out_dir, feature_identity(cfg, layer_ids), merged, lengths, meta)
+        write_manifest(out_dir, feature_identity(cfg, layer_ids, identity), merged, lengths, meta)
         print(f"[dflash2] captured {len(lengths)} samples into {out_dir}", flush=True)
     backend.barrier()
     return out_dir

@@ -14,6 +14,7 @@ uninterrupted run would have yielded from there, so a checkpoint only needs (epo
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -118,6 +119,38 @@ def micro_batches(
         for micro, indices in enumerate(batches):
             yield epoch, start_step + micro // grad_accum_steps + 1, indices
         epoch, start_step = epoch + 1, 0
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """One optimizer step of a rank: its epoch, the steps of that epoch done once it is, and the
+    sample indices of each of its `grad_accum_steps` micro-batches."""
+
+    epoch: int
+    step_in_epoch: int
+    micro: list[list[int]]
+
+
+def step_batches(
+    num_samples: int,
+    batch_size: int,
+    grad_accum_steps: int,
+    seed: int,
+    rank: int,
+    num_ranks: int,
+    *,
+    epoch: int = 0,
+    start_step: int = 0,
+) -> Iterator[StepBatch]:
+    """Rank `rank`'s optimizer steps in the deterministic order, endlessly, from step `start_step` of
+    `epoch` on: `micro_batches` grouped by step (no step spans two epochs). The one step order of the
+    loop, the capture ranks and the pipeline benchmark."""
+    stream = micro_batches(
+        num_samples, batch_size, grad_accum_steps, seed, rank, num_ranks, epoch=epoch, start_step=start_step
+    )
+    while True:
+        micro = [next(stream) for _ in range(grad_accum_steps)]
+        yield StepBatch(micro[-1][0], micro[-1][1], [indices for _, _, indices in micro])
 
 
 def anchor_generators(seed: int, epoch: int, indices: list[int]) -> list[torch.Generator]:

@@ -103,12 +103,7 @@ def prepare_dataset(
     Returns the dataset (columns `id` str, `input_ids` list[int], `loss_mask` list[int]) and a
     summary dict. `end_of_turn` defaults to the tokenizer's eos token. `quiet`: log nothing per line.
     """
-    if on_error not in ("skip", "fail"):
-        raise ValueError(f"on_error must be 'skip' or 'fail', got {on_error!r}")
-    if duplicates not in ("keep", "drop"):
-        raise ValueError(f"duplicates must be 'keep' or 'drop', got {duplicates!r}")
-    if max_length < 2:
-        raise ValueError(f"max_length must be at least 2 (one anchor and one label), got {max_length}")
+    _check_options(on_error, duplicates, max_length)
     rows: dict[str, list] = {"id": [], "input_ids": [], "loss_mask": []}
     tally = _Tally(Path(jsonl_path), quiet)
     first_line_of_id: dict[str, int] = {}
@@ -149,6 +144,15 @@ def prepare_dataset(
     summary = _summary(jsonl_path, max_length, chat_template_kwargs, rows, tally)
     summary.update(duplicates_policy=duplicates)
     return datasets.Dataset.from_dict(rows, features=FEATURES), summary
+
+
+def _check_options(on_error: str, duplicates: str, max_length: int) -> None:
+    if on_error not in ("skip", "fail"):
+        raise ValueError(f"on_error must be 'skip' or 'fail', got {on_error!r}")
+    if duplicates not in ("keep", "drop"):
+        raise ValueError(f"duplicates must be 'keep' or 'drop', got {duplicates!r}")
+    if max_length < 2:
+        raise ValueError(f"max_length must be at least 2 (one anchor and one label), got {max_length}")
 
 
 def _fit(input_ids: list[int], loss_mask: list[int], max_length: int) -> tuple[list[int], list[int]]:

@@ -13,13 +13,16 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dflash2.config import BACKENDS, OptimConfig
+if TYPE_CHECKING:
+    from dflash2.config import RunConfig
+
+from dflash2.config import BACKENDS, PRECISIONS, OptimConfig, Precision, torch_dtype
 from dflash2.distributed import state_io
 from dflash2.target.head import TargetHead
 
@@ -32,7 +35,7 @@ def sharded_block_types(model: nn.Module) -> tuple[str, ...]:
     return tuple(getattr(model, "_no_split_modules", None) or ())
 
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}  # bytes per element of each precision name of the run config
+DTYPE_BYTES = {name: torch_dtype(name).itemsize for name in PRECISIONS}  # bytes per element of each precision
 
 
 @dataclass(frozen=True)
@@ -268,9 +271,7 @@ class Backend(ABC):
         )
 
     @abstractmethod
-    def setup_draft(
-        self, draft: nn.Module, optim: OptimConfig, precision: Literal["fp32", "bf16"]
-    ) -> nn.Module:
+    def setup_draft(self, draft: nn.Module, optim: OptimConfig, precision: Precision) -> nn.Module:
         """Shard the trainable draft, build AdamW + LR schedule; returns the module to call like the draft."""
 
     @abstractmethod

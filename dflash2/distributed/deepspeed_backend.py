@@ -8,13 +8,13 @@ import math
 from contextlib import AbstractContextManager
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dflash2.config import OptimConfig, torch_dtype
+from dflash2.config import OptimConfig, Precision, torch_dtype
 from dflash2.distributed import state_io
 from dflash2.distributed.base import DTYPE_BYTES, Backend, MemoryItem, ParamCounts, RankLayout
 from dflash2.distributed.ds_config import resolve_ds_config, set_ds_value
@@ -209,9 +209,7 @@ class DeepSpeedBackend(Backend):
 
     # ---- draft --------------------------------------------------------------------------------------
 
-    def setup_draft(
-        self, draft: nn.Module, optim: OptimConfig, precision: Literal["fp32", "bf16"]
-    ) -> nn.Module:
+    def setup_draft(self, draft: nn.Module, optim: OptimConfig, precision: Precision) -> nn.Module:
         config = copy.deepcopy(self.ds_config)
         set_ds_value(config, "gradient_clipping", optim.max_grad_norm, source="optim.max_grad_norm")
         set_ds_value(config, "bf16.enabled", precision == "bf16", source=f"precision={precision!r}")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -14,7 +13,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from dflash2.config import OptimConfig, torch_dtype
+from dflash2.config import OptimConfig, Precision, torch_dtype
 from dflash2.distributed.base import DTYPE_BYTES, Backend, MemoryItem, ParamCounts, sharded_block_types
 from dflash2.optim import build_optimizer, step_optimizer
 from dflash2.target.head import TargetHead, head_tensors
@@ -103,9 +102,7 @@ class FSDPBackend(Backend):
 
     # ---- draft --------------------------------------------------------------------------------------
 
-    def setup_draft(
-        self, draft: nn.Module, optim: OptimConfig, precision: Literal["fp32", "bf16"]
-    ) -> nn.Module:
+    def setup_draft(self, draft: nn.Module, optim: OptimConfig, precision: Precision) -> nn.Module:
         # fp32 master weights; bf16 only for compute, gradients reduced in fp32
         mp_policy = None
         if precision == "bf16":

@@ -5,13 +5,13 @@ a backend of config.BACKENDS instead."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from dflash2.config import OptimConfig
+from dflash2.config import OptimConfig, Precision
 from dflash2.distributed.base import Backend, RankLayout
 from dflash2.optim import build_optimizer, step_optimizer
 from dflash2.target.head import TargetHead
@@ -74,9 +74,7 @@ class LocalBackend(Backend):
 
     # ---- draft --------------------------------------------------------------------------------------
 
-    def setup_draft(
-        self, draft: nn.Module, optim: OptimConfig, precision: Literal["fp32", "bf16"]
-    ) -> nn.Module:
+    def setup_draft(self, draft: nn.Module, optim: OptimConfig, precision: Precision) -> nn.Module:
         """fp32 weights and compute: mixed precision (fp32 master weights, bf16 compute) is what the
         sharding wrappers of fsdp and deepspeed provide."""
         if precision != "fp32":

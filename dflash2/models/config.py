@@ -1,4 +1,4 @@
-"""Draft config handling: load, normalise, validate (contract section 3) and expected tensor shapes (section 4).
+"""Draft config handling: the architecture table; load, normalise, validate (contract section 3).
 
 A draft config is a Hugging Face Qwen3 config dict plus the DFlash fields. Servers read the DFlash 2 fields
 (``NESTED_ONLY_KEYS``) only from the nested ``dflash_config`` dict, and the shared fields
@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 from transformers import Qwen3Config
@@ -32,9 +35,41 @@ NESTED_ONLY_KEYS = (
     "final_logit_softcapping",
 )
 NESTED_FIRST_KEYS = ("block_size", "target_layer_ids", "num_target_layers", "mask_token_id", "mask_token")
-ARCHITECTURES = ("DFlashDraftModel", "DFlash2DraftModel")
 LAYER_TYPES = ("full_attention", "sliding_attention")
-V2_DEFAULTS = {"output_multiplier": 1.0, "final_logit_softcapping": None}
+CONV_KEYS = ("conv_kernel_size", "conv_group_size")
+SELECTOR_KEYS = ("selector_rank", "selector_top_k")
+LOGIT_TRANSFORM_KEYS = ("output_multiplier", "final_logit_softcapping")
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """What a draft architecture has, by the name the servers select it with.
+
+    conv: a grouped dynamic conv around every sublayer (`CONV_KEYS`); selector: the candidate
+    selector (`SELECTOR_KEYS`); defaults: the DFlash fields normalisation fills when a config omits
+    them (a DFlash 2 config always carries its logit transforms; a v1 config only when it writes them).
+    """
+
+    name: str
+    conv: bool = False
+    selector: bool = False
+    defaults: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The dflash_config keys of the parts this architecture has."""
+        return (CONV_KEYS if self.conv else ()) + (SELECTOR_KEYS if self.selector else ())
+
+
+DFLASH = Architecture("DFlashDraftModel")
+DFLASH2 = Architecture(
+    "DFlash2DraftModel",
+    conv=True,
+    selector=True,
+    defaults=MappingProxyType({"output_multiplier": 1.0, "final_logit_softcapping": None}),
+)
+ARCHITECTURES: dict[str, Architecture] = {arch.name: arch for arch in (DFLASH, DFLASH2)}
+DEFAULT_ARCHITECTURE = DFLASH.name  # what a config naming no architecture is
 
 # Backbone fields that decide tensor shapes: a loader falling back to its own default would build a
 # different model, so they must be written explicitly.
@@ -70,7 +105,8 @@ def load_config_dict(source: str | Path | dict) -> dict:
     return cfg
 
 
-def _get(config: Any, name: str, default: Any = None) -> Any:
+def config_field(config: Any, name: str, default: Any = None) -> Any:
+    """A field of a config dict or config object (`default` when absent)."""
     if isinstance(config, dict):
         return config.get(name, default)
     return getattr(config, name, default)
@@ -78,18 +114,10 @@ def _get(config: Any, name: str, default: Any = None) -> Any:
 
 def draft_value(config: Any, name: str, default: Any = None) -> Any:
     """A DFlash field the way loaders read it: nested ``dflash_config`` first, else the top level."""
-    nested = _get(config, "dflash_config") or {}
+    nested = config_field(config, "dflash_config") or {}
     if name in nested:
         return nested[name]
-    return _get(config, name, default)
-
-
-def logit_transform(config: Any) -> tuple[float, float | None]:
-    """(output_multiplier, softcap) of a draft config, as the servers read them: a missing or null
-    multiplier is 1, a missing, null or non-positive final_logit_softcapping means no cap."""
-    multiplier = float(draft_value(config, "output_multiplier", 1.0) or 1.0)
-    cap = draft_value(config, "final_logit_softcapping")
-    return multiplier, (float(cap) if cap is not None and float(cap) > 0 else None)
+    return config_field(config, name, default)
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -120,6 +148,18 @@ def _architecture(cfg: dict) -> str | None:
     if isinstance(architectures, list) and len(architectures) == 1:
         return architectures[0]
     return None
+
+
+def architecture_of(config: Any) -> Architecture:
+    """The architecture record of a draft config (dict or Qwen3Config); none named: the default."""
+    names = config_field(config, "architectures") or [DEFAULT_ARCHITECTURE]
+    if len(names) != 1:
+        raise ValueError(f"architectures must name exactly one draft class, got {names}")
+    if names[0] not in ARCHITECTURES:
+        raise ValueError(
+            f"unknown draft architecture {names[0]!r}; known: {', '.join(sorted(ARCHITECTURES))}"
+        )
+    return ARCHITECTURES[names[0]]
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -168,7 +208,7 @@ def normalize_draft_config(cfg: dict) -> dict:
     nested = _nest_dflash_fields(out)
     if "num_target_layers" in nested:
         out["num_target_layers"] = nested["num_target_layers"]
-    out.setdefault("architectures", ["DFlashDraftModel"])
+    out.setdefault("architectures", [DEFAULT_ARCHITECTURE])
     out.setdefault("model_type", "qwen3")
     out.setdefault("is_causal", False)
     out.setdefault("tie_word_embeddings", False)
@@ -180,9 +220,9 @@ def normalize_draft_config(cfg: dict) -> dict:
     num_target_layers = nested.get("num_target_layers")
     if "target_layer_ids" not in nested and _is_int(num_target_layers) and _is_int(num_layers):
         nested["target_layer_ids"] = default_target_layer_ids(num_target_layers, num_layers)
-    if _architecture(out) == "DFlash2DraftModel":
-        for key, value in V2_DEFAULTS.items():
-            nested.setdefault(key, value)
+    arch = ARCHITECTURES.get(_architecture(out))
+    for key, value in arch.defaults.items() if arch else ():
+        nested.setdefault(key, value)
     _normalize_rope(out)
     out["dflash_config"] = nested
     return out
@@ -306,26 +346,12 @@ def _check_pair(nested: dict, first: str, second: str, problems: list[str]) -> t
 
 
 def _check_v2_fields(cfg: dict, nested: dict, problems: list[str]) -> None:
-    architecture = _architecture(cfg)
+    arch = ARCHITECTURES.get(_architecture(cfg))
     hidden_size, vocab_size = cfg.get("hidden_size"), cfg.get("vocab_size")
-    kernel_size, group_size = _check_pair(nested, "conv_kernel_size", "conv_group_size", problems)
-    rank, top_k = _check_pair(nested, "selector_rank", "selector_top_k", problems)
-    if architecture == "DFlash2DraftModel":
-        if not (kernel_size > 0 and group_size > 0):
-            problems.append(
-                f"dflash_config.conv_kernel_size={kernel_size!r}, conv_group_size={group_size!r}: "
-                "DFlash2DraftModel needs both > 0 (e.g. 2 and 16)"
-            )
-        if rank <= 0:
-            problems.append(
-                f"dflash_config.selector_rank={rank!r}: DFlash2DraftModel needs selector_rank > 0 "
-                "(and selector_top_k > 0)"
-            )
-    elif architecture == "DFlashDraftModel" and (kernel_size or rank):
-        problems.append(
-            f"architectures=['DFlashDraftModel'] with conv_kernel_size={kernel_size}, selector_rank={rank}: "
-            "v1 ignores conv and selector; set architectures to ['DFlash2DraftModel'] or remove them"
-        )
+    kernel_size, group_size = _check_pair(nested, *CONV_KEYS, problems)
+    rank, top_k = _check_pair(nested, *SELECTOR_KEYS, problems)
+    if arch is not None:
+        _check_parts(arch, kernel_size, group_size, rank, problems)
     if group_size and _is_int(hidden_size) and hidden_size % group_size:
         problems.append(
             f"dflash_config.conv_group_size={group_size} does not divide hidden_size={hidden_size}; "
@@ -348,6 +374,27 @@ def _check_v2_fields(cfg: dict, nested: dict, problems: list[str]) -> None:
     if softcap is not None and (not _is_number(softcap) or softcap <= 0):
         problems.append(
             f"dflash_config.final_logit_softcapping={softcap!r}: must be null (off) or a number > 0"
+        )
+
+
+def _check_parts(
+    arch: Architecture, kernel_size: int, group_size: int, rank: int, problems: list[str]
+) -> None:
+    """The conv and selector fields against what the architecture has: set when it has them, absent when not."""
+    if arch.conv and not (kernel_size > 0 and group_size > 0):
+        problems.append(
+            f"dflash_config.conv_kernel_size={kernel_size!r}, conv_group_size={group_size!r}: "
+            f"{arch.name} needs both > 0 (e.g. 2 and 16)"
+        )
+    if arch.selector and rank <= 0:
+        problems.append(
+            f"dflash_config.selector_rank={rank!r}: {arch.name} needs selector_rank > 0 (and selector_top_k > 0)"
+        )
+    if (kernel_size and not arch.conv) or (rank and not arch.selector):
+        complete = [name for name, other in ARCHITECTURES.items() if other.conv and other.selector]
+        problems.append(
+            f"architectures=[{arch.name!r}] with conv_kernel_size={kernel_size}, selector_rank={rank}: "
+            f"v1 ignores conv and selector; set architectures to {complete} or remove them"
         )
 
 
@@ -428,7 +475,7 @@ def text_config_of(target_config: Any) -> Any:
     for a multimodal checkpoint, else the config itself."""
     if isinstance(target_config, (str, Path)):
         target_config = load_config_dict(target_config)
-    text = _get(target_config, "text_config")
+    text = config_field(target_config, "text_config")
     return text if text is not None else target_config
 
 
@@ -438,7 +485,7 @@ def _config_file(config: Any, unknown: str) -> str:
     where = getattr(config, "name_or_path", None) if not isinstance(config, (str, Path)) else config
     if not where:
         return unknown
-    return str(Path(where) / "config.json") if Path(where).is_dir() else str(where)
+    return str(Path(where) / CONFIG_FILE) if Path(where).is_dir() else str(where)
 
 
 def _check_target(cfg: dict, target_config: Any, problems: list[str], source: Any = None) -> None:
@@ -448,16 +495,16 @@ def _check_target(cfg: dict, target_config: Any, problems: list[str], source: An
         f"target {_config_file(target_config, 'config given as a dict')})"
     )
     for key in ("hidden_size", "vocab_size"):
-        if cfg.get(key) != _get(target, key):
+        if cfg.get(key) != config_field(target, key):
             problems.append(
-                f"{key}={cfg.get(key)!r} but the target's {key} is {_get(target, key)!r}{files}; "
+                f"{key}={cfg.get(key)!r} but the target's {key} is {config_field(target, key)!r}{files}; "
                 "they must be equal"
             )
     num_target_layers = draft_value(cfg, "num_target_layers")
-    if num_target_layers != _get(target, "num_hidden_layers"):
+    if num_target_layers != config_field(target, "num_hidden_layers"):
         problems.append(
             f"num_target_layers={num_target_layers!r} but the target has num_hidden_layers="
-            f"{_get(target, 'num_hidden_layers')!r}{files}; set num_target_layers to it"
+            f"{config_field(target, 'num_hidden_layers')!r}{files}; set num_target_layers to it"
         )
 
 
@@ -494,7 +541,7 @@ def check_draft_config(cfg: dict, **kwargs: Any) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Qwen3Config and tensor shapes
+# Qwen3Config
 # ---------------------------------------------------------------------------------------------------------
 
 
@@ -510,51 +557,3 @@ def to_qwen3_config(cfg: dict) -> Qwen3Config:
     if "rope_theta" in normalized:
         config.rope_theta = normalized["rope_theta"]
     return config
-
-
-def expected_tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
-    """Every tensor an export must hold, name -> shape (contract section 4, names without ``model.``)."""
-    cfg = normalize_draft_config(cfg)
-    hidden = cfg["hidden_size"]
-    intermediate = cfg["intermediate_size"]
-    heads, kv_heads, head_dim = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
-    num_features = len(draft_value(cfg, "target_layer_ids"))
-    shapes: dict[str, tuple[int, ...]] = {
-        "fc.weight": (hidden, num_features * hidden),
-        "hidden_norm.weight": (hidden,),
-        "norm.weight": (hidden,),
-    }
-    is_v2 = _architecture(cfg) == "DFlash2DraftModel"
-    for i in range(cfg["num_hidden_layers"]):
-        prefix = f"layers.{i}."
-        layer = {
-            "input_layernorm.weight": (hidden,),
-            "post_attention_layernorm.weight": (hidden,),
-            "self_attn.q_proj.weight": (heads * head_dim, hidden),
-            "self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
-            "self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
-            "self_attn.o_proj.weight": (hidden, heads * head_dim),
-            "self_attn.q_norm.weight": (head_dim,),
-            "self_attn.k_norm.weight": (head_dim,),
-            "mlp.gate_proj.weight": (intermediate, hidden),
-            "mlp.up_proj.weight": (intermediate, hidden),
-            "mlp.down_proj.weight": (hidden, intermediate),
-        }
-        if cfg.get("attention_bias"):
-            layer["self_attn.q_proj.bias"] = (heads * head_dim,)
-            layer["self_attn.k_proj.bias"] = (kv_heads * head_dim,)
-            layer["self_attn.v_proj.bias"] = (kv_heads * head_dim,)
-            layer["self_attn.o_proj.bias"] = (hidden,)
-        if is_v2:
-            kernel_size = draft_value(cfg, "conv_kernel_size")
-            num_groups = hidden // draft_value(cfg, "conv_group_size")
-            for conv in ("attention_conv", "mlp_conv"):
-                layer[f"{conv}.base_kernel"] = (2, kernel_size, hidden)
-                layer[f"{conv}.kernel_projection.weight"] = (2 * kernel_size * num_groups, hidden)
-        shapes.update({prefix + name: shape for name, shape in layer.items()})
-    if is_v2:
-        rank, vocab = draft_value(cfg, "selector_rank"), cfg["vocab_size"]
-        shapes["candidate_selector.predecessor_codebook"] = (vocab, rank)
-        shapes["candidate_selector.successor_codebook"] = (vocab, rank)
-        shapes["candidate_selector.hidden_projection.weight"] = (rank, hidden)
-    return shapes

@@ -7,6 +7,8 @@ are the target's (see `TargetHead`). See docs/architecture.md for the tensor con
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import nn
 from transformers import initialization as init
@@ -19,10 +21,11 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from dflash2.models.attention import ContextKV, DFlashAttention
-from dflash2.models.config import default_target_layer_ids, draft_value, logit_transform
+from dflash2.models.config import DFLASH, DFLASH2, Architecture
 from dflash2.models.context_cache import DraftContextCache
 from dflash2.models.conv import AFTER, BEFORE, GroupedDynamicConv
 from dflash2.models.selector import CandidateSelector
+from dflash2.models.spec import ConvSpec, DraftSpec
 from dflash2.target.head import TargetHead
 from dflash2.timing import region
 
@@ -41,16 +44,15 @@ class DFlashDecoderLayer(nn.Module):
     """Pre-norm Qwen3 layer whose attention reads the context; optional DFlash 2 convs around
     the attention and MLP sublayers (the residual wraps the whole conv-sublayer-conv chain)."""
 
-    def __init__(self, config: Qwen3Config, layer_idx: int, conv: tuple[int, int] | None) -> None:
+    def __init__(self, config: Qwen3Config, layer_idx: int, conv: ConvSpec | None) -> None:
         super().__init__()
         self.self_attn = DFlashAttention(config, layer_idx)
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         if conv is not None:
-            kernel_size, group_size = conv
-            self.attention_conv = GroupedDynamicConv(config.hidden_size, kernel_size, group_size)
-            self.mlp_conv = GroupedDynamicConv(config.hidden_size, kernel_size, group_size)
+            self.attention_conv = GroupedDynamicConv(config.hidden_size, conv.kernel_size, conv.group_size)
+            self.mlp_conv = GroupedDynamicConv(config.hidden_size, conv.kernel_size, conv.group_size)
         else:
             self.attention_conv = self.mlp_conv = None
 
@@ -88,29 +90,32 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
 
     config_class = Qwen3Config
     _no_split_modules = ["DFlashDecoderLayer"]
-    uses_conv = False
+    architecture: ClassVar[Architecture] = DFLASH  # the parts this class builds (models.config)
 
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__(config)
-        self.block_size = int(draft_value(config, "block_size"))
-        self.mask_token_id = int(draft_value(config, "mask_token_id"))
-        layer_ids = draft_value(config, "target_layer_ids")
-        if layer_ids is None:
-            num_target_layers = int(draft_value(config, "num_target_layers"))
-            layer_ids = default_target_layer_ids(num_target_layers, config.num_hidden_layers)
-        self.target_layer_ids = [int(i) for i in layer_ids]
-        conv = None
-        if self.uses_conv:
-            conv = (int(draft_value(config, "conv_kernel_size")), int(draft_value(config, "conv_group_size")))
-        hidden = config.hidden_size
-        self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
+        self.spec = DraftSpec.from_config(config, self.architecture)  # what this draft is, read once
+        hidden = self.spec.hidden_size
+        self.fc = nn.Linear(len(self.spec.target_layer_ids) * hidden, hidden, bias=False)
         self.hidden_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         self.layers = nn.ModuleList(
-            [DFlashDecoderLayer(config, i, conv) for i in range(config.num_hidden_layers)]
+            [DFlashDecoderLayer(config, i, self.spec.conv) for i in range(self.spec.num_layers)]
         )
         self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
         self.post_init()
+
+    @property
+    def block_size(self) -> int:
+        return self.spec.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.spec.mask_token_id
+
+    @property
+    def target_layer_ids(self) -> list[int]:
+        return list(self.spec.target_layer_ids)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
@@ -185,8 +190,11 @@ class DFlashDraftModel(Qwen3PreTrainedModel):
         return self.norm(h)
 
     def transform_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """This draft's unary transforms (module function `transform_logits`)."""
-        return transform_logits(logits, *logit_transform(self.config))
+        """This draft's unary transforms (module function `transform_logits`); none: `logits` itself."""
+        transform = self.spec.logit_transform
+        if transform is None:
+            return logits
+        return transform_logits(logits, transform.multiplier, transform.softcap)
 
     def compute_logits(self, hidden: torch.Tensor, head: TargetHead) -> torch.Tensor:
         return self.transform_logits(head.logits(hidden))
@@ -216,15 +224,15 @@ class DFlash2DraftModel(DFlashDraftModel):
 
     # The objective calls the selector outside the draft's forward: it must be its own sharding unit.
     _no_split_modules = ["DFlashDecoderLayer", "CandidateSelector"]
-    uses_conv = True
+    architecture: ClassVar[Architecture] = DFLASH2
 
     def __init__(self, config: Qwen3Config) -> None:
         super().__init__(config)
         self.candidate_selector = CandidateSelector(
             vocab_size=config.vocab_size,
-            hidden_size=config.hidden_size,
-            rank=int(draft_value(config, "selector_rank")),
-            top_k=int(draft_value(config, "selector_top_k")),
+            hidden_size=self.spec.hidden_size,
+            rank=self.spec.selector.rank,
+            top_k=self.spec.selector.top_k,
         )
         self.post_init()
 

@@ -1,4 +1,5 @@
-"""Architecture name -> draft class; build a draft from a config, load one from an export."""
+"""Architecture name -> draft class; a draft's spec and expected tensors; build a draft from a
+config, load one from an export."""
 
 from __future__ import annotations
 
@@ -7,14 +8,24 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from dflash2.models.config import check_draft_config, load_config_dict, to_qwen3_config
+from dflash2.models.config import (
+    ARCHITECTURES,
+    REQUIRED_BACKBONE_KEYS,
+    architecture_of,
+    check_draft_config,
+    draft_value,
+    load_config_dict,
+    normalize_draft_config,
+    to_qwen3_config,
+)
 from dflash2.models.draft import DFlash2DraftModel, DFlashDraftModel
+from dflash2.models.spec import DraftSpec
 from dflash2.target.files import SINGLE_FILE
 
 DRAFT_REGISTRY: dict[str, type[DFlashDraftModel]] = {
-    "DFlashDraftModel": DFlashDraftModel,
-    "DFlash2DraftModel": DFlash2DraftModel,
+    cls.architecture.name: cls for cls in (DFlashDraftModel, DFlash2DraftModel)
 }
+assert DRAFT_REGISTRY.keys() == ARCHITECTURES.keys(), "one draft class per architecture of models.config"
 
 
 def draft_class(architecture: str) -> type[DFlashDraftModel]:
@@ -37,10 +48,33 @@ def build_draft(
     cfg = check_draft_config(
         load_config_dict(config), target_config=target_config, tokenizer=tokenizer, source=source
     )
-    architectures = cfg.get("architectures") or ["DFlashDraftModel"]
-    if len(architectures) != 1:
-        raise ValueError(f"architectures must name exactly one draft class, got {architectures}")
-    return draft_class(architectures[0])(to_qwen3_config(cfg))
+    return draft_class(architecture_of(cfg).name)(to_qwen3_config(cfg))
+
+
+def draft_spec(config: str | Path | dict) -> DraftSpec:
+    """The spec of a draft config (a config.json path, a directory, or a dict), as the draft built
+    from it holds it (normalised, not validated)."""
+    qwen3_config = to_qwen3_config(load_config_dict(config))
+    return DraftSpec.from_config(qwen3_config, architecture_of(qwen3_config))
+
+
+def expected_tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor an export must hold, name -> shape (contract section 4, names without ``model.``):
+    the state dict of the draft `cfg` builds, built on the meta device (no memory, no init).
+    A ValueError names a field the shapes cannot be derived without."""
+    cfg = normalize_draft_config(cfg)
+    arch = architecture_of(cfg)
+    for key, value in [(key, cfg.get(key)) for key in REQUIRED_BACKBONE_KEYS] + [
+        (f"dflash_config.{key}", draft_value(cfg, key)) for key in arch.fields
+    ]:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{key}={value!r}: must be a positive int")
+    layer_ids = draft_value(cfg, "target_layer_ids")
+    if not isinstance(layer_ids, list) or not layer_ids:
+        raise ValueError(f"dflash_config.target_layer_ids={layer_ids!r}: must be a non-empty list")
+    with torch.device("meta"):
+        draft = draft_class(arch.name)(to_qwen3_config(cfg))
+    return {name: tuple(tensor.shape) for name, tensor in draft.state_dict().items()}
 
 
 def load_draft(export_dir: str | Path, dtype: torch.dtype | None = None) -> DFlashDraftModel:

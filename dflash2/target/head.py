@@ -102,11 +102,12 @@ def _checkpoint_model(config) -> torch.nn.Module:
     return model_class(config)
 
 
-def _head_tensor_names(target_dir: str | Path) -> tuple[str, str, bool]:
-    """(embedding weight name, LM head module name, tied) from the target's class, built on meta."""
+def _head_tensor_names(target_dir: str | Path, config=None) -> tuple[str, str, bool]:
+    """(embedding weight name, LM head module name, tied) from the target's class, built on meta.
+    `config`: the target's config when already read (default: read from `target_dir`)."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(target_dir)
+    config = config or AutoConfig.from_pretrained(target_dir)
     with torch.device("meta"):  # no memory: only the module names are wanted
         model = _checkpoint_model(config)
     module_names = {id(module): name for name, module in model.named_modules()}
@@ -122,14 +123,15 @@ def _read(files: dict[str, Path], name: str) -> torch.Tensor:
 
 
 def load_target_head(
-    target_dir: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu"
+    target_dir: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu", config=None
 ) -> TargetHead:
     """Read only the embedding [V, H] and the LM head [V, H] (+ bias) of a Hugging Face causal LM.
 
     Tied embeddings (no LM head tensor in the checkpoint, `tie_word_embeddings`) reuse the embedding.
+    `config`: the target's config when the caller has read it (default: read from `target_dir`).
     """
     files = target_tensor_files(target_dir)
-    embed_name, head_name, tied = _head_tensor_names(target_dir)
+    embed_name, head_name, tied = _head_tensor_names(target_dir, config)
     if embed_name not in files:
         raise ValueError(
             f"{target_dir}: no tensor {embed_name!r} in the checkpoint (it holds e.g. {sorted(files)[:4]}); "

@@ -26,6 +26,7 @@ from dflash2.capture import target_features  # noqa: E402
 from dflash2.capture.offline import capture_to_dir  # noqa: E402
 from dflash2.config import load_run_config  # noqa: E402
 from dflash2.distributed import build_backend, init_distributed, shutdown_distributed  # noqa: E402
+from dflash2.run_plan import resolve_run  # noqa: E402
 from dflash2.train import build_setup, fit  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
@@ -70,7 +71,7 @@ def run_family(args, family_dir: Path, out: Path) -> None:
     cfg = family_config(args, family_dir, out)
     backend = build_backend(cfg.backend, cfg.ds_config if cfg.backend == "deepspeed" else None, 2, 1)
     Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-    setup = build_setup(cfg, backend)
+    setup = build_setup(resolve_run(cfg, 2), backend)
     input_ids, attention_mask = padded_batch()
     batch = {"input_ids": input_ids, "attention_mask": attention_mask}
     features = target_features(backend, setup.target, batch, setup.layer_ids)
@@ -88,7 +89,7 @@ def run_family(args, family_dir: Path, out: Path) -> None:
         batch_size=2,
         shard_bytes=1 << 20,
     )
-    fit(cfg, setup)
+    fit(setup)
 
 
 def main() -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from dflash2.distributed import build_backend, init_distributed, shutdown_distributed  # noqa: E402
+from dflash2.run_plan import resolve_run  # noqa: E402
 from dflash2.train import build_setup, fit  # noqa: E402
 from tests.dist_scripts.families import family_config  # noqa: E402
 
@@ -34,7 +35,7 @@ def main() -> None:
         cfg = family_config(run_args, Path(target_dir), out)
         Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
         try:
-            fit(cfg, build_setup(cfg, build_backend("fsdp", None, cfg.train.micro_batch_size, 1)))
+            fit(build_setup(resolve_run(cfg), build_backend("fsdp", None, cfg.train.micro_batch_size, 1)))
         except Exception:
             (out / "error.txt").write_text(traceback.format_exc())
             raise

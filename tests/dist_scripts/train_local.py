@@ -13,14 +13,14 @@ import torch.distributed as dist  # noqa: E402
 
 from dflash2.config import load_run_config  # noqa: E402
 from dflash2.distributed import LocalBackend  # noqa: E402
+from dflash2.run_plan import resolve_run  # noqa: E402
 from dflash2.train import build_setup, fit  # noqa: E402
 
 
 def main() -> None:
     cfg = load_run_config(sys.argv[1], sys.argv[2:])
-    backend = LocalBackend.from_run_config(cfg)
-    cfg = cfg.with_batch_layout(1)
-    fit(cfg, build_setup(cfg, backend))
+    plan = resolve_run(cfg)
+    fit(build_setup(plan, LocalBackend.from_run_config(plan.config)))
     assert not dist.is_initialized(), "LocalBackend started a process group"
 
 

@@ -1,0 +1,107 @@
+"""The run plan: every fact of a run that its roles share, resolved once after the process group starts.
+
+The target's config, the tokenizer and its pad id, the draft config (normalised and validated against
+both) and its `DraftSpec`, the target layer ids, the identities of the inputs, the resume contract,
+the objective's settings, and where the run resumes (checkpoint and train state). `resolve_run`
+only reads files: it loads no model, starts no collective and draws no random number, so every role
+(colocated ranks, capture ranks, trainer ranks, the offline capture, the benchmarks) calls it first
+and reads the same facts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+from dflash2.checkpoint import TrainState, read_train_state, resume_point, run_contract
+from dflash2.config import RunConfig
+from dflash2.data.loader import pad_token_id_of
+from dflash2.identity import RunIdentity
+from dflash2.models.config import check_draft_config, load_config_dict, to_qwen3_config
+from dflash2.models.spec import DraftSpec
+from dflash2.objective import ObjectiveConfig
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    config: RunConfig  # resolved: with_batch_layout(data_parallel_size) applied
+    data_parallel_size: int  # ranks that train the draft
+    target_config: PretrainedConfig
+    tokenizer: PreTrainedTokenizerBase
+    pad_token_id: int
+    draft_source: dict  # the draft config, normalised, validated once against target and tokenizer
+    spec: DraftSpec  # what the draft built from draft_source holds
+    identity: RunIdentity
+    contract: dict  # what a checkpoint of this run is only valid for
+    objective: ObjectiveConfig
+    resume_from: Path | None  # the checkpoint this launch resumes from, None: a fresh start
+    start: TrainState  # its train state (a fresh one for None)
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return list(self.spec.target_layer_ids)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.config.output_dir)
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.contract["global_batch_size"]
+
+    @property
+    def target_hidden_size(self) -> int:
+        return self.target_config.get_text_config().hidden_size
+
+
+def global_batch_size(cfg: RunConfig, data_parallel_size: int) -> int:
+    """Samples of one optimizer step over all data-parallel ranks."""
+    return cfg.train.micro_batch_size * cfg.train.grad_accum_steps * data_parallel_size
+
+
+def build_contract(
+    cfg: RunConfig, draft_config: dict, data_parallel_size: int, identity: RunIdentity | None = None
+) -> dict:
+    """What a checkpoint is only valid for (training.md section 6); resume compares it field by field:
+    the draft's spec fields and the run's own (`checkpoint.RUN_CONTRACT_KEYS`). The batch enters as
+    the global batch of one optimizer step: how it is split into ranks, micro-batches and accumulation
+    steps may change between launches (the data order depends only on it), so a run can resume on
+    another number of ranks. `draft_config`: as given (not validated)."""
+    identity = identity or RunIdentity.of(cfg.model.target, cfg.data.train)
+    draft = DraftSpec.from_config(draft_config).contract_fields()
+    return {**draft, **run_contract(cfg, identity, global_batch_size(cfg, data_parallel_size))}
+
+
+def resolve_run(cfg: RunConfig, data_parallel_size: int = 1) -> RunPlan:
+    """The plan of run `cfg` with `data_parallel_size` ranks training the draft (file reads only)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    cfg = cfg.with_batch_layout(data_parallel_size)
+    target_config = AutoConfig.from_pretrained(cfg.model.target)
+    tokenizer = AutoTokenizer.from_pretrained(cfg.model.target)
+    source = check_draft_config(
+        load_config_dict(cfg.model.draft_config),
+        target_config=target_config,
+        tokenizer=tokenizer,
+        source=cfg.model.draft_config,
+    )
+    draft_config = to_qwen3_config(source)
+    spec = DraftSpec.from_config(draft_config)
+    identity = RunIdentity.of(cfg.model.target, cfg.data.train)
+    resume_from = resume_point(cfg.train.resume, Path(cfg.output_dir))
+    return RunPlan(
+        config=cfg,
+        data_parallel_size=data_parallel_size,
+        target_config=target_config,
+        tokenizer=tokenizer,
+        pad_token_id=pad_token_id_of(tokenizer),
+        draft_source=source,
+        spec=spec,
+        identity=identity,
+        contract=build_contract(cfg, draft_config.to_dict(), data_parallel_size, identity),
+        objective=ObjectiveConfig.for_spec(spec, **cfg.objective.model_dump()),
+        resume_from=resume_from,
+        start=read_train_state(resume_from),
+    )

@@ -1,0 +1,105 @@
+"""resolve_run: the facts every role of a run shares, read once from the files (no model is built)."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoConfig, AutoTokenizer
+
+from dflash2.checkpoint import TrainState, save_checkpoint
+from dflash2.config import load_run_config
+from dflash2.identity import data_identity, target_identity, tokenizer_identity
+from dflash2.models import build_draft
+from dflash2.models.config import load_config_dict
+from dflash2.run_plan import build_contract, resolve_run
+from tests.run_helpers import REPO
+from tests.test_checkpoint import FakeBackend
+
+# The contracts the tiny runs wrote before the run plan existed (checkpoints/step_*/contract.json of
+# `launch/train.py --config configs/tiny-dflash{,2}.yaml`), less the identities of their inputs.
+COMMON = {
+    "block_size": 8, "ce_weight": 1.0, "chat_template_kwargs": {}, "distill_temperature": 1.0,
+    "global_batch_size": 8, "hidden_size": 128, "is_causal": False, "kl_weight": 0.0,
+    "layer_types": ["sliding_attention", "sliding_attention"], "loss_gamma": 7.0, "mask_token_id": 3,
+    "num_anchors": 16, "num_draft_layers": 2, "position_decay": 0.8, "position_weighting": "gamma",
+    "seed": 0, "selector_loss_alpha": 1.0, "selector_mode": "insert", "sliding_window": 2048,
+    "target_layer_ids": [1, 3, 4], "tv_weight": 0.0, "final_logit_softcapping": None,
+}  # fmt: skip
+FROZEN = {
+    "tiny-dflash.yaml": {
+        **COMMON, "architecture": "DFlashDraftModel", "conv_group_size": None, "conv_kernel_size": None,
+        "output_multiplier": None, "selector_rank": None, "selector_top_k": None,
+    },
+    "tiny-dflash2.yaml": {
+        **COMMON, "architecture": "DFlash2DraftModel", "conv_group_size": 16, "conv_kernel_size": 2,
+        "output_multiplier": 1.0, "selector_rank": 32, "selector_top_k": 8,
+    },
+}  # fmt: skip
+IDENTITIES = ("target", "tokenizer", "dataset")
+
+
+def tiny_config(tiny_default, name: str, run_dir, *more: str):
+    paths = [f"model.target={tiny_default.target_dir}", f"data.train={tiny_default.train_jsonl}"]
+    return load_run_config(REPO / "configs" / name, [*paths, f"output_dir={run_dir}", *more])
+
+
+@pytest.mark.parametrize("name", sorted(FROZEN))
+def test_the_plan_of_each_tiny_run(tiny_default, tmp_path, name):
+    cfg = tiny_config(tiny_default, name, tmp_path / "run")
+    plan = resolve_run(cfg)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_default.target_dir)
+    assert plan.layer_ids == [1, 3, 4]
+    assert plan.pad_token_id == tokenizer.pad_token_id == tokenizer.convert_tokens_to_ids(tokenizer.pad_token)
+    assert plan.target_hidden_size == AutoConfig.from_pretrained(tiny_default.target_dir).hidden_size == 128
+    assert plan.config.train.grad_accum_steps == 1 and plan.global_batch_size == 8
+    assert {k: v for k, v in plan.contract.items() if k not in IDENTITIES} == FROZEN[name]
+    assert [plan.contract[k] for k in IDENTITIES] == [
+        target_identity(tiny_default.target_dir),
+        tokenizer_identity(tiny_default.target_dir),
+        data_identity(tiny_default.train_jsonl),
+    ]
+    # what the model built from the plan holds, and the contract of that model's config
+    draft = build_draft(plan.draft_source)
+    assert plan.spec == draft.spec
+    assert plan.contract == build_contract(cfg, draft.config.to_dict(), data_parallel_size=1)
+    raw = build_draft(load_config_dict(cfg.model.draft_config), target_config=plan.target_config)
+    assert draft.config.to_dict() == raw.config.to_dict()  # the config a checkpoint's draft_config.json holds
+    assert (plan.objective.block_size, plan.objective.mask_token_id) == (8, 3)
+    assert plan.resume_from is None and plan.start == TrainState()
+
+
+def test_the_batch_layout_follows_the_data_parallel_ranks(tiny_default, tmp_path):
+    cfg = tiny_config(tiny_default, "tiny-dflash2.yaml", tmp_path / "run", "train.micro_batch_size=4")
+    one, two = resolve_run(cfg, 1), resolve_run(cfg, 2)
+    assert (one.config.train.grad_accum_steps, two.config.train.grad_accum_steps) == (2, 1)
+    assert one.contract == two.contract  # the global batch, not its split, is what a checkpoint holds
+    with pytest.raises(ValueError, match="train.global_batch_size=8 is not a multiple of micro_batch_size 8"):
+        resolve_run(tiny_config(tiny_default, "tiny-dflash2.yaml", tmp_path / "run"), 2)
+
+
+def test_a_plan_resumes_from_the_latest_complete_checkpoint(tiny_default, tmp_path):
+    run_dir = tmp_path / "run"
+    cfg = tiny_config(tiny_default, "tiny-dflash2.yaml", run_dir)
+    contract = resolve_run(cfg).contract
+    for step, state in (
+        (2, {"step": 2, "epoch": 0, "step_in_epoch": 2}),
+        (5, {"step": 5, "epoch": 1, "step_in_epoch": 1}),
+    ):
+        save_checkpoint(
+            FakeBackend(), run_dir, step, draft_config={}, contract=contract, train_state=state, keep_last=3
+        )
+    plan = resolve_run(cfg)
+    assert plan.resume_from == run_dir / "checkpoints" / "step_00000005"
+    assert plan.start == TrainState(step=5, epoch=1, step_in_epoch=1)
+    chosen = resolve_run(
+        tiny_config(
+            tiny_default,
+            "tiny-dflash2.yaml",
+            run_dir,
+            f"train.resume={run_dir / 'checkpoints' / 'step_00000002'}",
+        )
+    )
+    assert chosen.start == TrainState(step=2, epoch=0, step_in_epoch=2)
+    assert (
+        resolve_run(tiny_config(tiny_default, "tiny-dflash2.yaml", run_dir, "train.resume=none")).resume_from
+        is None
+    )
