@@ -43,10 +43,10 @@ if str(REPO_ROOT) not in sys.path:  # run as a plain script from any directory
     sys.path.insert(0, str(REPO_ROOT))
 
 from dflash2 import decode  # noqa: E402
-from dflash2.capture.features import decoder_layers  # noqa: E402
 from dflash2.evaluate import encode_prompt, load_models, read_prompts  # noqa: E402
 from dflash2.models import TargetHead, build_draft  # noqa: E402
 from dflash2.models.config import default_target_layer_ids, load_config_dict  # noqa: E402
+from dflash2.target.hooks import decoder_layers  # noqa: E402
 from dflash2.target.state import use_decoding_layout  # noqa: E402
 from dflash2.timing import ITERATION, StepTimer  # noqa: E402
 
