@@ -42,10 +42,13 @@ _slurm_env_derive() {
   [[ $job_id =~ ^[0-9]+$ ]] || _slurm_env_fail "SLURM_JOB_ID='${job_id}' is not a number" || return 1
 
   local master address
-  master=$(scontrol show hostnames "$nodelist" | head -n 1) || return 1
+  # No `| head -n 1`: under `set -o pipefail` (the sbatch files) scontrol killed by SIGPIPE after
+  # head has read its line would fail the job at random.
+  master=$(scontrol show hostnames "$nodelist") || return 1
+  master=${master%%$'\n'*}
   [[ -n $master ]] || _slurm_env_fail "scontrol show hostnames '${nodelist}' printed no host" || return 1
-  address=$(scontrol show node "$master" 2>/dev/null | grep -o 'NodeAddr=[^ ]*' | head -n 1) || true
-  address=${address#NodeAddr=}
+  address=$(scontrol show node "$master" 2>/dev/null) || true
+  [[ $address =~ NodeAddr=([^[:space:]]+) ]] && address=${BASH_REMATCH[1]} || address=
   local port=${DFLASH2_MASTER_PORT:-$((20000 + job_id % 10000))}
   [[ $port =~ ^[0-9]+$ ]] || _slurm_env_fail "DFLASH2_MASTER_PORT='${port}' is not a port number" || return 1
 
