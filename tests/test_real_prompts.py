@@ -28,8 +28,8 @@ def built(tmp_path_factory):
 
 def test_counts_and_every_record_is_a_prompt(built):
     out, summary = built
-    assert summary["num_train"] == 1000 and summary["num_heldout"] == 64
-    for name, count in (("train", 1000), ("heldout", 64)):
+    assert summary["num_train"] == 1000 and summary["num_heldout"] == summary["num_heldout_topics"] == 64
+    for name, count in (("train", 1000), ("heldout", 64), ("heldout_topics", 64)):
         samples = [parse_sample(line, n) for n, line in iter_lines(out / f"{name}.jsonl")]
         assert len(samples) == count and len({s.id for s in samples}) == count
         for sample in samples:
@@ -39,9 +39,10 @@ def test_counts_and_every_record_is_a_prompt(built):
             )
 
 
-def test_heldout_sources_never_occur_in_training(built):
+@pytest.mark.parametrize("heldout_file", ["heldout.jsonl", "heldout_topics.jsonl"])
+def test_heldout_sources_never_occur_in_training(built, heldout_file):
     out, _ = built
-    train, heldout = _records(out / "train.jsonl"), _records(out / "heldout.jsonl")
+    train, heldout = _records(out / "train.jsonl"), _records(out / heldout_file)
     train_sources = {r["source"] for r in train}
     assert train_sources.isdisjoint({r["source"] for r in heldout})
     assert len(train_sources) > 100  # many documents, not a few long ones
@@ -51,6 +52,9 @@ def test_heldout_sources_never_occur_in_training(built):
     for record in heldout:
         passage = record["conversations"][0]["content"].split("\n\n", 1)[1]
         assert passage not in train_text
+    if heldout_file == "heldout.jsonl":  # other modules' docstrings: several whole module files
+        assert len({r["source"] for r in heldout}) >= 5
+        assert all(r["source"].endswith(".py") for r in heldout)
     for record in train[:50]:
         tree = ast.parse((STDLIB / record["source"]).read_text())
         docstrings = [
@@ -69,7 +73,7 @@ def test_the_same_seed_writes_the_same_files_and_another_seed_others(built, tmp_
         "data_prep/real_prompts.py",
         ["--out", str(tmp_path / "a"), "--num-train", "1000", "--num-heldout", "64"],
     )
-    for name in ("train.jsonl", "heldout.jsonl"):
+    for name in ("train.jsonl", "heldout.jsonl", "heldout_topics.jsonl"):
         assert (tmp_path / "a" / name).read_bytes() == (out / name).read_bytes()
     build_real_prompts(tmp_path / "b", num_train=1000, num_heldout=64, seed=1)
     assert (tmp_path / "b" / "train.jsonl").read_bytes() != (out / "train.jsonl").read_bytes()

@@ -2,9 +2,12 @@
 
 - training prompts: the docstrings (module, class, function) of the Python standard library's own
   source files, read with `ast` (nothing is imported); a source document is one module file;
-- held-out prompts: the Python language and library reference topics that `pydoc` shows
-  (`pydoc_data.topics`, e.g. "for", "string-methods"), a different kind of text from documents
-  that never occur in training (the topics module itself is not a training source).
+- held-out prompts (`heldout.jsonl`): the docstrings of standard-library modules drawn with the
+  seed and kept out of training (the same kind of text, other documents);
+- out-of-domain held-out prompts (`heldout_topics.jsonl`): the Python language and library
+  reference topics that `pydoc` shows (`pydoc_data.topics`, e.g. "for", "string-methods"), a
+  different kind of text from documents that never occur in training (the topics module itself is
+  not a training source).
 
 Each passage becomes one user turn: an instruction (explain, summarise, rewrite, answer a question,
 write an example, ...) drawn with the seed, and the passage. The records are prompt-only
@@ -133,22 +136,37 @@ def to_prompts(passages: list[Passage], count: int, seed: int, prefix: str) -> l
     return records
 
 
+def split_modules(passages: list[Passage], num_heldout: int, seed: int) -> tuple[list, list]:
+    """(training passages, held-out passages): whole module files drawn with `seed` until they hold
+    at least `num_heldout` passages are held out, so no held-out document occurs in training."""
+    sources = sorted({p.source for p in passages})
+    random.Random(seed).shuffle(sources)
+    held, count = set(), 0
+    for source in sources:
+        if count >= num_heldout:
+            break
+        held.add(source)
+        count += sum(p.source == source for p in passages)
+    return [p for p in passages if p.source not in held], [p for p in passages if p.source in held]
+
+
 def build_real_prompts(out_dir: str | Path, num_train: int, num_heldout: int, seed: int = 0) -> dict:
-    """Write `train.jsonl` (stdlib docstrings) and `heldout.jsonl` (pydoc topics) under out_dir;
-    returns the counts and paths."""
+    """Write `train.jsonl` (stdlib docstrings), `heldout.jsonl` (docstrings of other modules) and
+    `heldout_topics.jsonl` (pydoc topics) under out_dir; returns the counts and paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    train = to_prompts(docstring_passages(), num_train, seed, "train")
-    heldout = to_prompts(topic_passages(), num_heldout, seed + 1, "heldout")
-    paths = {}
-    for name, records in (("train", train), ("heldout", heldout)):
-        paths[name] = out_dir / f"{name}.jsonl"
-        paths[name].write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
-    return {
-        "train": str(paths["train"]),
-        "heldout": str(paths["heldout"]),
-        "num_train": len(train),
-        "num_heldout": len(heldout),
-        "num_train_sources": len({r["source"] for r in train}),
-        "num_heldout_sources": len({r["source"] for r in heldout}),
+    train_passages, heldout_passages = split_modules(docstring_passages(), num_heldout, seed)
+    files = {
+        "train": to_prompts(train_passages, num_train, seed, "train"),
+        "heldout": to_prompts(heldout_passages, num_heldout, seed + 1, "heldout"),
+        "heldout_topics": to_prompts(topic_passages(), num_heldout, seed + 1, "heldout-topics"),
     }
+    summary = {}
+    for name, records in files.items():
+        path = out_dir / f"{name}.jsonl"
+        path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
+        summary[name] = str(path)
+    for name, records in files.items():
+        summary[f"num_{name}"] = len(records)
+        summary[f"num_{name}_sources"] = len({r["source"] for r in records})
+    return summary
