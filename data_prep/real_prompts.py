@@ -22,7 +22,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", required=True, help="output directory (train.jsonl, heldout.jsonl, heldout_topics.jsonl)")
+    parser.add_argument(
+        "--out", required=True, help="output directory (train.jsonl, heldout.jsonl, heldout_topics.jsonl)"
+    )
     parser.add_argument("--num-train", type=int, default=1200, help="training prompts")
     parser.add_argument("--num-heldout", type=int, default=64, help="prompts in each held-out file")
     parser.add_argument("--seed", type=int, default=0, help="draws the passages and the instructions")
