@@ -1,8 +1,8 @@
 """The pipeline end to end on a real pretrained target, SmolLM2-135M-Instruct (`make demo-real`).
 
 build the target (make smollm2) -> real prompts (standard-library docstrings; held-out: the
-docstrings of other modules, and out of domain the pydoc reference topics) -> regenerate the replies with the target (greedy, batched, the
-generated token ids kept) -> capture the target's features offline -> train a DFlash and a DFlash 2
+docstrings of other modules, and out of domain the pydoc reference topics) -> regenerate the
+replies with the target (greedy, batched, the generated token ids kept) -> capture the target's features offline -> train a DFlash and a DFlash 2
 draft on them at equal budget -> tau and wall-clock speedup of an untrained, the DFlash and the
 DFlash 2 draft on the held-out prompts -> serving gate -> runs/demo-real/summary.json. The stages
 are the tiny demo's (launch/demo.py); a rerun reuses the target, the regenerated replies (resumed)
@@ -16,7 +16,7 @@ import json
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,9 +28,10 @@ import demo  # noqa: E402  (launch/demo.py: the stages both demos run)
 from dflash2.data.real_prompts import build_real_prompts  # noqa: E402
 from dflash2.draft_config import DraftChoices, build_draft_config  # noqa: E402
 from dflash2.fixtures.smollm2 import build_smollm2  # noqa: E402
+from dflash2.models.config import DFLASH, DFLASH2  # noqa: E402
 
 CONFIGS = {"dflash": "configs/smollm2-dflash.yaml", "dflash2": "configs/smollm2-dflash2.yaml"}
-ARCHITECTURES = {"dflash": "DFlashDraftModel", "dflash2": "DFlash2DraftModel"}
+ARCHITECTURES = {"dflash": DFLASH.name, "dflash2": DFLASH2.name}
 
 
 @dataclass(frozen=True)
@@ -201,13 +202,13 @@ def main(argv: list[str] | None = None) -> int:
         drafts.append(("tau_dflash2", exports["dflash2"]))
         # In this process one after the other: loading Hugging Face models is not thread-safe.
         results = demo.evaluate_drafts(sources, drafts, args.eval_prompts, args.max_new_tokens)
-        topics = Sources(sources.target_dir, regen, sources.topics_jsonl, sources.topics_jsonl)
+        topics = replace(sources, heldout_jsonl=sources.topics_jsonl)
         out_of_domain = demo.evaluate_drafts(
             topics, drafts[1:], args.topic_prompts, args.max_new_tokens, name="eval_topics"
         )
     with stages.next("serving gate: overfit one sample, export, reload, decode", "serving_gate"):
         gate_arguments = ("--max-new-tokens", "64", f"model.draft_config={draft_configs['dflash2']}")
-        gate_sources = Sources(sources.target_dir, regen, sources.heldout_jsonl, sources.topics_jsonl)
+        gate_sources = replace(sources, train_jsonl=regen)
         gate = demo.serving_gate(gate_sources, out, CONFIGS["dflash2"], *gate_arguments, threads=None)
     summary = {
         **results,  # tau_* and the trained drafts' speedup_*

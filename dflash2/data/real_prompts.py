@@ -20,6 +20,7 @@ import ast
 import json
 import random
 import sysconfig
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -139,14 +140,15 @@ def to_prompts(passages: list[Passage], count: int, seed: int, prefix: str) -> l
 def split_modules(passages: list[Passage], num_heldout: int, seed: int) -> tuple[list, list]:
     """(training passages, held-out passages): whole module files drawn with `seed` until they hold
     at least `num_heldout` passages are held out, so no held-out document occurs in training."""
-    sources = sorted({p.source for p in passages})
+    per_source = Counter(p.source for p in passages)
+    sources = sorted(per_source)
     random.Random(seed).shuffle(sources)
     held, count = set(), 0
     for source in sources:
         if count >= num_heldout:
             break
         held.add(source)
-        count += sum(p.source == source for p in passages)
+        count += per_source[source]
     return [p for p in passages if p.source not in held], [p for p in passages if p.source in held]
 
 
@@ -166,7 +168,6 @@ def build_real_prompts(out_dir: str | Path, num_train: int, num_heldout: int, se
         path = out_dir / f"{name}.jsonl"
         path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records))
         summary[name] = str(path)
-    for name, records in files.items():
         summary[f"num_{name}"] = len(records)
         summary[f"num_{name}_sources"] = len({r["source"] for r in records})
     return summary
