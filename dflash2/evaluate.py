@@ -4,8 +4,9 @@ wall-clock speedup over the target's own greedy decoding.
 Every prompt is decoded twice in this process, prompt by prompt, alternating which goes first (so
 the machine's load weighs on both alike): by speculative decoding (`dflash2.decode`) and by the
 target alone (greedy, KV-cached, one forward per token). The summary holds tau and its histogram,
-both speeds (`spec_tokens_per_s`, `target_tokens_per_s`) and their ratio (`speedup`); it goes to a
-JSON file, TensorBoard, a PNG and a printed table.
+both speeds (`spec_tokens_per_s`, `target_tokens_per_s`) and their ratio (`speedup`), and for
+reference the tau of a draft-free prompt-lookup proposer on the target's outputs
+(`prompt_lookup_tau`); it goes to a JSON file, TensorBoard, a PNG and a printed table.
 
 CLI: python -m dflash2.evaluate --draft <export> --target <dir> --data <jsonl> [options]
 """
@@ -49,6 +50,56 @@ def read_prompts(data_jsonl: str | Path, num_prompts: int) -> list[list[dict[str
     if not prompts:
         raise ValueError(f"{data_jsonl}: no conversations found")
     return prompts
+
+
+# ------------------------------------------------------------------ a draft-free reference
+
+PROMPT_LOOKUP_NGRAM = (4, 1)  # longest, shortest suffix the lookup matches
+
+
+def prompt_lookup_proposal(
+    sequence: Sequence[int], num_tokens: int, max_ngram: int, min_ngram: int
+) -> list[int]:
+    """Prompt lookup: the `num_tokens` tokens that followed the most recent earlier occurrence of the
+    longest suffix of `sequence` (`max_ngram` down to `min_ngram` tokens), copied on past the end
+    of `sequence` as far as needed (a copy of a repeating span repeats); [] when no suffix recurs."""
+    seq = list(sequence)
+    for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
+        suffix = seq[-n:]
+        for start in range(len(seq) - n - 1, -1, -1):
+            if seq[start : start + n] == suffix:
+                extended, source = list(seq), start + n
+                while len(extended) < len(seq) + num_tokens:
+                    extended.append(extended[source])
+                    source += 1
+                return extended[len(seq) :]
+    return []
+
+
+def prompt_lookup_acceptance(
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+    block_size: int,
+    ngram: tuple[int, int] = PROMPT_LOOKUP_NGRAM,
+) -> list[int]:
+    """The tokens each verify step would commit if a draft-free n-gram proposer (prompt lookup,
+    `prompt_lookup_proposal`) proposed the B-1 tokens of every block, verified greedily against a
+    target whose greedy continuation of `prompt_ids` is `output_ids`: the step's matched prefix
+    plus the target's own token, cut at the end of the output. Exact for greedy verification,
+    from the tokens alone (the target's first token comes from the prefill, as in
+    `dflash2.decode.speculative_generate`)."""
+    output, committed, lengths = list(output_ids), 1, []
+    while committed < len(output):
+        proposal = prompt_lookup_proposal([*prompt_ids, *output[:committed]], block_size - 1, *ngram)
+        matched = 0
+        while matched < len(proposal) and committed + matched < len(output):
+            if proposal[matched] != output[committed + matched]:
+                break
+            matched += 1
+        kept = min(matched + 1, len(output) - committed)
+        lengths.append(kept)
+        committed += kept
+    return lengths
 
 
 # ------------------------------------------------------------------ summary
@@ -101,6 +152,20 @@ def speed_summary(results: list[GenerationResult], target_results: list[TargetRe
     }
 
 
+def prompt_lookup_summary(
+    prompts: Sequence[Sequence[int]], target_results: list[TargetResult], block_size: int
+) -> dict:
+    """`prompt_lookup_tau`: the mean acceptance length (pooled like tau) a draft-free prompt-lookup
+    proposer of the same block size reaches on the target's greedy outputs; a draft that does not
+    beat it has learned less than copying from the context gives for free."""
+    lengths = [
+        t
+        for ids, result in zip(prompts, target_results)
+        for t in prompt_lookup_acceptance(ids, result.output_ids, block_size)
+    ]
+    return {"prompt_lookup_tau": sum(lengths) / len(lengths) if lengths else 0.0}
+
+
 SPEED_KEYS = ("spec_tokens_per_s", "target_tokens_per_s", "speedup")
 
 
@@ -109,7 +174,14 @@ def write_tensorboard(summary: dict, tb_dir: str | Path, step: int) -> None:
     from torch.utils.tensorboard import SummaryWriter
 
     writer = SummaryWriter(str(tb_dir))
-    for key in ("mean_acceptance_length", "target_forwards_per_token", "tokens_per_s", "wall_s", *SPEED_KEYS):
+    keys = (
+        "mean_acceptance_length",
+        "prompt_lookup_tau",
+        "target_forwards_per_token",
+        "tokens_per_s",
+        "wall_s",
+    )
+    for key in (*keys, *SPEED_KEYS):
         if key in summary:
             writer.add_scalar(f"eval/{key}", summary[key], step)
     for tau, count in summary["acceptance_histogram"].items():
@@ -154,6 +226,14 @@ def format_table(summary: dict) -> str:
     ]
     if "speedup" in summary:
         rows += speed_rows(summary)
+    if "prompt_lookup_tau" in summary:
+        ngram = "-".join(map(str, PROMPT_LOOKUP_NGRAM[::-1]))
+        rows.append(
+            (
+                "prompt lookup tau (no draft)",
+                f"{summary['prompt_lookup_tau']:.3f}: {ngram}-gram copying on the target's greedy outputs",
+            )
+        )
     rows += [(f"  tau = {k}", str(v)) for k, v in summary["acceptance_histogram"].items()]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
@@ -190,7 +270,7 @@ def evaluate_prompts(
 
     `compare_target`: also decode every prompt with the target alone (greedy), interleaved with the
     speculative decodes (prompt by prompt, the two taking turns at going first), and add
-    `speed_summary` to the summary. `clock`: what both decodes' wall times are read from."""
+    `speed_summary` and `prompt_lookup_summary` to the summary. `clock`: what both decodes' wall times are read from."""
     generator = torch.Generator(device=next(target.parameters()).device).manual_seed(seed)
     common = dict(max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, clock=clock)
     results, target_results = [], []
@@ -208,6 +288,7 @@ def evaluate_prompts(
     summary = summarize(results, draft.block_size)
     if compare_target:
         summary.update(speed_summary(results, target_results))
+        summary.update(prompt_lookup_summary(prompts, target_results, draft.block_size))
     return summary, results
 
 

@@ -137,7 +137,8 @@ def evaluate_drafts(
     tiny, drafts: list[tuple[str, Path]], num_prompts: int, max_new_tokens: int, name: str = "eval"
 ) -> dict:
     """Mean acceptance length of each export on the held-out prompts, against the target, and the
-    trained drafts' wall-clock speedup over the target alone (`speedup_*`); each draft's report is
+    trained drafts' wall-clock speedup over the target alone (`speedup_*`), and the draft-free
+    prompt-lookup tau on the same target outputs (`tau_prompt_lookup`); each draft's report is
     `<draft dir>/<name>.json` (TensorBoard under `<name>_tb`, the histogram `<name>.png`)."""
     from transformers.utils import logging as hf_logging
 
@@ -162,6 +163,7 @@ def evaluate_drafts(
         tqdm.write(f"  {key:14s} {taus[key]:.3f}, {result['speedup']:.2f}x the target alone")
         if key != "tau_untrained":
             taus[key.replace("tau_", "speedup_")] = result["speedup"]
+        taus["tau_prompt_lookup"] = result["prompt_lookup_tau"]  # the target's outputs: every draft's
     return taus
 
 
@@ -203,11 +205,16 @@ def write_summary(out: Path, summary: dict) -> None:
         ("untrained draft tau", f"{summary['tau_untrained']:.2f}"),
         ("DFlash tau", f"{summary['tau_dflash']:.2f}"),
         ("DFlash 2 tau", f"{summary['tau_dflash2']:.2f}"),
+        ("prompt lookup tau (no draft)", f"{summary['tau_prompt_lookup']:.2f}"),
         ("DFlash speedup", speedup_text(summary["speedup_dflash"])),
         ("DFlash 2 speedup", speedup_text(summary["speedup_dflash2"])),
         *[
             (f"{label} tau, out of domain (pydoc topics)", f"{summary[key]:.2f}")
-            for label, key in (("DFlash", "topics_tau_dflash"), ("DFlash 2", "topics_tau_dflash2"))
+            for label, key in (
+                ("DFlash", "topics_tau_dflash"),
+                ("DFlash 2", "topics_tau_dflash2"),
+                ("prompt lookup", "topics_tau_prompt_lookup"),
+            )
             if key in summary
         ],
         ("serving gate", f"{gate} (tau {summary['serving_gate_accept_length']:.2f})"),

@@ -165,6 +165,46 @@ def test_oracle_draft_gets_full_blocks(target, head, monkeypatch):
     assert produced == len(PROMPT) + 36  # the draft always saw the features of every committed position
 
 
+def test_prompt_lookup_proposal_copies_what_followed_the_latest_match():
+    assert ev.prompt_lookup_proposal([1, 2, 3, 1, 2], 3, 4, 1) == [3, 1, 2]  # "1 2" recurs: copy on
+    assert ev.prompt_lookup_proposal([5, 1, 9, 1, 8, 1], 3, 4, 1) == [8, 1, 8]  # the latest "1"
+    assert ev.prompt_lookup_proposal([4, 7, 7], 3, 4, 1) == [7, 7, 7]  # a repeating span repeats
+    assert ev.prompt_lookup_proposal([6, 2, 9, 6, 2, 5, 2], 2, 4, 1) == [
+        5,
+        2,
+    ]  # what followed the latest earlier "2"
+    assert ev.prompt_lookup_proposal([6, 2, 9, 6, 2, 5, 2], 2, 4, 2) == []  # no 2-gram recurs
+    assert ev.prompt_lookup_proposal([1, 2, 3], 3, 4, 1) == []
+
+
+def test_prompt_lookup_tau_is_what_a_lookup_proposer_gets_from_the_verification_loop(monkeypatch):
+    """prompt_lookup_acceptance (from the target's greedy tokens alone) equals the acceptance
+    lengths of the real speculative decoding loop with prompt lookup as its proposer, on a small
+    random target whose greedy output repeats (steps of 1 to 4 tokens, a last step cut short)."""
+    vocab, prompt = 32, [5, 17, 12, 8, 29, 3, 25, 11]
+    target = build_target(vocab_size=vocab, seed=1)
+    head = TargetHead.from_target(target)
+    draft = build_random_draft("DFlashDraftModel", vocab_size=vocab, block_size=4)
+    reference = plain_greedy(target, prompt, 40)
+    unused = next(t for t in range(vocab) if t not in reference)  # a proposal the target rejects
+
+    def lookup_block(draft, head, context, anchor, temperature=0.0, generator=None):
+        sequence = prompt + reference[: context.length + 1 - len(prompt)]
+        assert sequence[-1] == anchor
+        proposal = ev.prompt_lookup_proposal(sequence, draft.block_size - 1, *ev.PROMPT_LOOKUP_NGRAM)
+        tokens = (proposal or [unused] * (draft.block_size - 1))[: draft.block_size - 1]
+        return torch.tensor(tokens), None, torch.ones(draft.block_size - 1, vocab) / vocab
+
+    monkeypatch.setattr(decode, "draft_block", lookup_block)
+    result = decode.speculative_generate(draft, target, head, prompt, max_new_tokens=40)
+    assert result.output_ids == reference
+    expected = ev.prompt_lookup_acceptance(prompt, reference, block_size=4)
+    assert result.acceptance_lengths == expected
+    assert {1, 2, 3, 4} <= set(expected) and sum(expected) == 39  # the first token is the prefill's
+    summary = ev.prompt_lookup_summary([prompt], [decode.TargetResult(reference, 1.0)], 4)
+    assert summary["prompt_lookup_tau"] == pytest.approx(39 / len(expected))
+
+
 @pytest.mark.parametrize("architecture", ["DFlashDraftModel", "DFlash2DraftModel"])
 def test_cached_draft_proposes_what_the_full_forward_proposes(target, head, architecture, monkeypatch):
     """The draft's context cache changes no proposal: at every step of a 60-token generation
@@ -472,8 +512,12 @@ def test_cli_writes_json_tensorboard_and_plot(tiny_default, tmp_path, capsys):
     assert summary["speedup"] == pytest.approx(summary["spec_tokens_per_s"] / summary["target_tokens_per_s"])
     assert summary["target_generated_tokens"] == summary["generated_tokens"]
     assert summary["outputs_equal_target"] == 2
-    for key in ("spec_tokens_per_s", "target_tokens_per_s", "speedup"):
+    for key in ("spec_tokens_per_s", "target_tokens_per_s", "speedup", "prompt_lookup_tau"):
         assert events.Scalars(f"eval/{key}")[0].value == pytest.approx(summary[key])
+    # and the draft-free reference on the same outputs: at least one token a step, at most B
+    assert 1 <= summary["prompt_lookup_tau"] <= 8
+    (row,) = [line for line in printed.splitlines() if line.startswith("prompt lookup tau (no draft)")]
+    assert f" {summary['prompt_lookup_tau']:.3f}: 1-4-gram copying" in row
 
 
 def test_evaluation_defaults_to_the_training_run_of_the_export(tmp_path):
