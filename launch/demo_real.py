@@ -98,7 +98,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--target-layer-ids",
         type=lambda text: [int(i) for i in text.split(",")],
         default=None,
-        help="target layers the drafts read, comma-separated (of 0..29; default: the generator's, 1,14,27)",
+        help="target layers the drafts read, comma-separated (of 0..29; default: the generator's for "
+        "--draft-layers, layer 15 for one layer)",
     )
     parser.add_argument("--steps", type=int, default=400, help="optimizer steps per draft (equal budget)")
     parser.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts evaluated")
