@@ -227,13 +227,9 @@ def format_table(summary: dict) -> str:
     if "speedup" in summary:
         rows += speed_rows(summary)
     if "prompt_lookup_tau" in summary:
-        ngram = "-".join(map(str, PROMPT_LOOKUP_NGRAM[::-1]))
-        rows.append(
-            (
-                "prompt lookup tau (no draft)",
-                f"{summary['prompt_lookup_tau']:.3f}: {ngram}-gram copying on the target's greedy outputs",
-            )
-        )
+        longest, shortest = PROMPT_LOOKUP_NGRAM
+        copying = f"{shortest}-{longest}-gram copying on the target's greedy outputs"
+        rows.append(("prompt lookup tau (no draft)", f"{summary['prompt_lookup_tau']:.3f}: {copying}"))
     rows += [(f"  tau = {k}", str(v)) for k, v in summary["acceptance_histogram"].items()]
     width = max(len(name) for name, _ in rows)
     return "\n".join(f"{name:<{width}}  {value}" for name, value in rows)
@@ -270,7 +266,8 @@ def evaluate_prompts(
 
     `compare_target`: also decode every prompt with the target alone (greedy), interleaved with the
     speculative decodes (prompt by prompt, the two taking turns at going first), and add
-    `speed_summary` and `prompt_lookup_summary` to the summary. `clock`: what both decodes' wall times are read from."""
+    `speed_summary` and `prompt_lookup_summary` to the summary. `clock`: what both decodes' wall
+    times are read from."""
     generator = torch.Generator(device=next(target.parameters()).device).manual_seed(seed)
     common = dict(max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, clock=clock)
     results, target_results = [], []
