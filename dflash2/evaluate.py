@@ -68,11 +68,10 @@ def prompt_lookup_proposal(
         suffix = seq[-n:]
         for start in range(len(seq) - n - 1, -1, -1):
             if seq[start : start + n] == suffix:
-                extended, source = list(seq), start + n
-                while len(extended) < len(seq) + num_tokens:
-                    extended.append(extended[source])
-                    source += 1
-                return extended[len(seq) :]
+                copied: list[int] = []
+                for source in range(start + n, start + n + num_tokens):
+                    copied.append(seq[source] if source < len(seq) else copied[source - len(seq)])
+                return copied
     return []
 
 
@@ -91,11 +90,8 @@ def prompt_lookup_acceptance(
     output, committed, lengths = list(output_ids), 1, []
     while committed < len(output):
         proposal = prompt_lookup_proposal([*prompt_ids, *output[:committed]], block_size - 1, *ngram)
-        matched = 0
-        while matched < len(proposal) and committed + matched < len(output):
-            if proposal[matched] != output[committed + matched]:
-                break
-            matched += 1
+        pairs = list(zip(proposal, output[committed:]))
+        matched = next((i for i, (p, t) in enumerate(pairs) if p != t), len(pairs))
         kept = min(matched + 1, len(output) - committed)
         lengths.append(kept)
         committed += kept

@@ -2,11 +2,11 @@
 
 build the target (make smollm2) -> real prompts (standard-library docstrings; held-out: the
 docstrings of other modules, and out of domain the pydoc reference topics) -> regenerate the
-replies with the target (greedy, batched, the generated token ids kept) -> capture the target's features offline -> train a DFlash and a DFlash 2
-draft on them at equal budget -> tau and wall-clock speedup of an untrained, the DFlash and the
-DFlash 2 draft on the held-out prompts -> serving gate -> runs/demo-real/summary.json. The stages
-are the tiny demo's (launch/demo.py); a rerun reuses the target, the regenerated replies (resumed)
-and the features.
+replies with the target (greedy, batched, the generated token ids kept) -> capture the target's
+features offline -> train a DFlash and a DFlash 2 draft on them at equal budget -> tau and
+wall-clock speedup of an untrained, the DFlash and the DFlash 2 draft on the held-out prompts ->
+serving gate -> runs/demo-real/summary.json. The stages are the tiny demo's (launch/demo.py); a
+rerun reuses the target, the regenerated replies (resumed) and the features.
 """
 
 from __future__ import annotations
