@@ -39,9 +39,10 @@ def test_local_regeneration_equals_target_greedy_generate(tiny_default, tiny_tok
     output = tmp_path / "regen.jsonl"
     regenerate_file(_write_jsonl(tmp_path / "in.jsonl", rows), output, generator, batch_size=3)
 
-    regenerated = _read_jsonl(output)
-    assert [row["id"] for row in regenerated] == [row["id"] for row in rows]
-    for original, new in zip(rows, regenerated):
+    regenerated = {row["id"]: row for row in _read_jsonl(output)}  # written in order of prompt length
+    assert sorted(regenerated) == sorted(row["id"] for row in rows)
+    for original in rows:
+        new = regenerated[original["id"]]
         assert [t["role"] for t in new["conversations"]] == [t["role"] for t in original["conversations"]]
         history = []
         for old_turn, new_turn in zip(original["conversations"], new["conversations"]):
@@ -114,7 +115,7 @@ def test_server_regeneration_writes_replies_turn_by_turn(chat_server, tmp_path, 
         [*arguments, "--chat-template-kwargs", '{"enable_thinking": false}'],
     )
 
-    assert _read_jsonl(output) == [
+    assert sorted(_read_jsonl(output), key=lambda row: row["id"]) == [  # written shortest prompt first
         {"id": "a", "conversations": [rows[0]["conversations"][0], user("hi"), _assistant("Reply 1 to: hi")]},
         {
             "id": "b",
@@ -177,6 +178,38 @@ def test_resume_after_crash_with_partial_line(tmp_path):
     assert regenerate_file(source, output, _FakeGenerator(fail_after=0), batch_size=3)["num_written"] == 0
 
 
+class _RecordingGenerator(_FakeGenerator):
+    def __init__(self):
+        super().__init__()
+        self.batches = []
+
+    def generate(self, histories):
+        self.batches.append([history[-1]["content"] for history in histories])
+        return super().generate(histories)
+
+
+def test_batches_hold_prompts_of_similar_length(tmp_path):
+    lengths = [7, 1, 30, 4, 12, 2, 25, 9]
+    rows = [
+        {"id": f"s{i}", "conversations": [{"role": "user", "content": "x" * n}]}
+        for i, n in enumerate(lengths)
+    ]
+    generator = _RecordingGenerator()
+    output = tmp_path / "out.jsonl"
+    regenerate_file(_write_jsonl(tmp_path / "in.jsonl", rows), output, generator, batch_size=3)
+    assert [[len(prompt) for prompt in batch] for batch in generator.batches] == [
+        [1, 2, 4],
+        [7, 9, 12],
+        [25, 30],
+    ]
+    written = _read_jsonl(output)
+    assert [row["id"] for row in written] == ["s1", "s5", "s3", "s0", "s7", "s4", "s6", "s2"]
+    assert all(
+        row["conversations"][-1]["content"] == "reply to " + "x" * lengths[int(row["id"][1:])]
+        for row in written
+    )
+
+
 def test_corrupt_complete_line_in_output_is_an_error(tmp_path):
     source = _write_jsonl(
         tmp_path / "in.jsonl", [{"id": "a", "messages": [{"role": "user", "content": "q"}, _assistant("r")]}]
@@ -218,8 +251,10 @@ def test_local_regeneration_keeps_the_generated_ids_and_answers_prompt_only_reco
         _write_jsonl(tmp_path / "in.jsonl", rows), output, LocalTargetGenerator(model, tiny_tokenizer, 24), 2
     )
 
-    for row, new in zip(rows, _read_jsonl(output), strict=True):
-        user, reply = new["conversations"]
+    regenerated = {row["id"]: row for row in _read_jsonl(output)}  # written in order of prompt length
+    assert sorted(regenerated) == sorted(row["id"] for row in rows)
+    for row in rows:
+        user, reply = regenerated[row["id"]]["conversations"]
         assert user == row["conversations"][0] and reply["role"] == "assistant"
         # Reference: one unpadded greedy generate, cut before the first stop token (eos = <|im_end|>).
         prompt = tiny_tokenizer.apply_chat_template([user], tokenize=False, add_generation_prompt=True)
