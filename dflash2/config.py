@@ -82,6 +82,10 @@ class ObjectiveSection(_Section):
     # position_decay ** (k-1), "uniform" = 1
     position_weighting: Literal["gamma", "exponential", "uniform"] = "gamma"
     position_decay: float = Field(0.8, gt=0, le=1)
+    # compute the loss over the K tokens most frequent among the training labels instead of the whole
+    # vocabulary (a cheaper step: the head's matmuls and softmax shrink V -> K); slots whose label is
+    # outside them are not supervised. The exported draft keeps the target's whole head. null: all V.
+    loss_vocab_size: int | None = Field(None, ge=1)
 
     @property
     def needs_teacher(self) -> bool:

@@ -12,14 +12,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from pydantic import ConfigDict
+from pydantic import ConfigDict, model_validator
 from torch import nn
 from torch.nn import functional as F
 
 from dflash2.config import ObjectiveSection
 from dflash2.models.draft import transform_logits
 from dflash2.models.spec import DraftSpec
-from dflash2.target.head import TargetHead
+from dflash2.target.head import LossVocab, TargetHead
 from dflash2.timing import region
 
 
@@ -34,6 +34,15 @@ class ObjectiveConfig(ObjectiveSection):
     output_multiplier: float  # unary logit transforms (contract section 2.2)
     softcap: float | None
     top_k: int  # candidates per slot: the selector's top-k (DFlash 2), else coverage_top_k
+
+    @model_validator(mode="after")
+    def _check_loss_vocab(self) -> ObjectiveConfig:
+        if self.loss_vocab_size is not None and self.loss_vocab_size < self.top_k:
+            raise ValueError(
+                f"objective.loss_vocab_size={self.loss_vocab_size} is below the objective's top-k "
+                f"({self.top_k}: the selector's top_k, else coverage_top_k); set loss_vocab_size >= {self.top_k}"
+            )
+        return self
 
     @property
     def loss_terms(self) -> LossTerms:
@@ -518,9 +527,12 @@ def plan_blocks(
     loss_mask: torch.Tensor,
     cfg: ObjectiveConfig,
     generator: torch.Generator | list[torch.Generator] | None = None,
+    loss_vocab: LossVocab | None = None,
 ) -> Blocks:
     """Sample anchors and derive labels and weights. Cheap (no model): the loop plans every
-    micro-batch of an optimizer step first, to know the global weight sum before any backward."""
+    micro-batch of an optimizer step first, to know the global weight sum before any backward.
+    With a `loss_vocab` (the head's, objective.loss_vocab_size), a slot whose label lies outside it
+    is not supervised (weight 0)."""
     anchors, valid = sample_anchors(loss_mask, cfg.num_anchors, generator)
     if not bool(valid.any()):
         raise ValueError(
@@ -531,6 +543,8 @@ def plan_blocks(
     labels, predecessors, weights = block_targets(
         input_ids, loss_mask, anchors, valid, cfg.block_size, cfg.loss_gamma, decay
     )
+    if loss_vocab is not None:
+        weights = weights * loss_vocab.contains(labels)
     return Blocks(anchors, valid, labels, predecessors, weights)
 
 
@@ -553,7 +567,7 @@ def compute_objective(
     """
     input_ids = batch["input_ids"]
     if blocks is None:
-        blocks = plan_blocks(input_ids, batch["loss_mask"], cfg, generator)
+        blocks = plan_blocks(input_ids, batch["loss_mask"], cfg, generator, head.loss_vocab)
     selector = selector if selector is not None else getattr(draft, "candidate_selector", None)
     block_ids = torch.full(
         (*blocks.anchors.shape, cfg.block_size), cfg.mask_token_id, device=input_ids.device
@@ -621,7 +635,18 @@ def total_loss(base, selector, alpha: float, weight_sum: float | None = None):
 def _block_loss(h, y, w, rows, blocks: Blocks, batch, head: TargetHead, cfg: ObjectiveConfig, naive: bool):
     """The weighted loss sum before the selector term over the supervised rows (h [R, H], labels y,
     weights w), the draft's top-k ids [R, k] and the metric sums of its terms. Without KL or TV
-    weight it is the chunked CE alone (the teacher is neither needed nor read)."""
+    weight it is the chunked CE alone (the teacher is neither needed nor read). With the head's loss
+    vocabulary every term (the teacher's softmax included) runs over its K tokens only: the labels
+    (all inside it, plan_blocks) and the top-k ids are mapped to and from its indices."""
+    vocab = head.loss_vocab
+    if vocab is not None:
+        head, y = vocab.head, vocab.index[y]
+    base_sum, topk_ids, metrics = _vocab_block_loss(h, y, w, rows, blocks, batch, head, cfg, naive)
+    return base_sum, (topk_ids if vocab is None else vocab.token_ids[topk_ids]), metrics
+
+
+def _vocab_block_loss(h, y, w, rows, blocks: Blocks, batch, head: TargetHead, cfg: ObjectiveConfig, naive):
+    """_block_loss over the vocabulary of `head` (labels and top-k ids are its row indices)."""
     anchors, valid, block_size = blocks.anchors, blocks.valid, cfg.block_size
     multiplier, cap, top_k = cfg.output_multiplier, cfg.softcap, cfg.top_k
     metrics: dict[str, torch.Tensor] = {}

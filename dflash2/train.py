@@ -27,7 +27,7 @@ from dflash2.faults import collective_section, stop_request, write_stop_marker
 from dflash2.models import TargetHead, build_draft
 from dflash2.objective import ObjectiveConfig, compute_objective, plan_blocks
 from dflash2.run_plan import RunPlan
-from dflash2.target.head import load_target_head, target_num_parameters
+from dflash2.target.head import load_target_head, loss_vocabulary, target_num_parameters
 from dflash2.timing import StepTimer
 from dflash2.train_log import TrainLogger
 
@@ -106,8 +106,40 @@ def build_setup(plan: RunPlan, backend: Backend, features: FeatureSource | None 
         check_resume(plan.resume_from, plan.contract)
     target, head = build_target(plan, backend, load_full=features is None)
     dataset = build_dataset(cfg.data, plan.tokenizer, backend.is_main)
+    if cfg.objective.loss_vocab_size is not None:
+        restrict_loss_vocab(head, dataset, plan.objective, backend.is_main)
     model = backend.setup_draft(draft, cfg.train, cfg.precision)
     return Setup(plan, backend, model, draft_config, head, dataset, target=target, features=features)
+
+
+def restrict_loss_vocab(head: TargetHead, dataset, objective: ObjectiveConfig, is_main: bool) -> None:
+    """Restrict the loss to the objective.loss_vocab_size tokens most frequent among the dataset's
+    supervised tokens (every rank counts the whole dataset, so all agree); one line on rank 0."""
+    size = objective.loss_vocab_size
+    if size >= head.vocab_size:
+        raise ValueError(
+            f"objective.loss_vocab_size={size} is not below the target's vocabulary ({head.vocab_size}); "
+            "set a smaller one, or null for the whole vocabulary"
+        )
+    labels = [
+        torch.tensor(ids)[torch.tensor(mask) > 0]
+        for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"])
+    ]
+    ids = loss_vocabulary(labels, head.vocab_size, size)
+    if len(ids) < objective.top_k:
+        raise ValueError(
+            f"the training labels hold only {len(ids)} distinct tokens, fewer than the objective's top-k "
+            f"({objective.top_k}); set objective.loss_vocab_size=null"
+        )
+    head.restrict_loss_vocab(ids)
+    if is_main:
+        supervised = torch.cat(labels)
+        covered = torch.isin(supervised, ids).float().mean().item()
+        print(
+            f"[dflash2] loss vocabulary: the {len(ids)} most frequent of {head.vocab_size} tokens, "
+            f"{100 * covered:.2f}% of the {len(supervised)} supervised tokens",
+            flush=True,
+        )
 
 
 # ------------------------------------------------------------------ step
@@ -144,7 +176,13 @@ def train_step(setup: Setup, step: StepBatch, timer: StepTimer) -> tuple[dict, d
     backend, seed = setup.backend, setup.cfg.seed
     batches = [load_batch(setup, idx) for idx in step.micro]
     plans = [
-        plan_blocks(b["input_ids"], b["loss_mask"], setup.objective, anchor_generators(seed, step.epoch, idx))
+        plan_blocks(
+            b["input_ids"],
+            b["loss_mask"],
+            setup.objective,
+            anchor_generators(seed, step.epoch, idx),
+            setup.head.loss_vocab,
+        )
         for b, idx in zip(batches, step.micro)
     ]
     global_weight = backend.all_reduce_sum(sum(p.weights.sum() for p in plans).to(backend.device))

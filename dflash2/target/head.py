@@ -7,6 +7,7 @@ of the disaggregated topology).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -55,6 +56,12 @@ class TargetHead(nn.Module):
         self.register_buffer("lm_head_weight", lm_head_weight.detach(), persistent=False)
         bias = None if lm_head_bias is None else lm_head_bias.detach()
         self.register_buffer("lm_head_bias", bias, persistent=False)
+        self.loss_vocab: LossVocab | None = None  # restrict_loss_vocab
+
+    def restrict_loss_vocab(self, token_ids: torch.Tensor) -> None:
+        """Compute the training loss over these token ids only (objective.loss_vocab_size); serving
+        and evaluation keep the whole head."""
+        self.loss_vocab = LossVocab(token_ids.to(self.lm_head_weight.device), self)
 
     @property
     def vocab_size(self) -> int:
@@ -76,6 +83,37 @@ class TargetHead(nn.Module):
         embed, weight, bias = head_tensors(target)
         cast = (lambda t: t.detach().clone().to(dtype)) if dtype else (lambda t: t.detach().clone())
         return cls(cast(embed), cast(weight), None if bias is None else cast(bias))
+
+
+class LossVocab(nn.Module):
+    """The tokens the loss is computed over (objective.loss_vocab_size): their ids [K] (sorted), their
+    rows of the LM head, and each vocabulary id's index among them ([V], -1 for the others)."""
+
+    def __init__(self, token_ids: torch.Tensor, head: TargetHead) -> None:
+        super().__init__()
+        ids = torch.unique(token_ids.long())  # sorted, distinct
+        if len(ids) == 0 or int(ids[0]) < 0 or int(ids[-1]) >= head.vocab_size:
+            raise ValueError(f"loss vocabulary ids must lie in [0, {head.vocab_size}); got {len(ids)} ids")
+        index = torch.full((head.vocab_size,), -1, dtype=torch.long, device=ids.device)
+        index[ids] = torch.arange(len(ids), device=ids.device)
+        bias = None if head.lm_head_bias is None else head.lm_head_bias[ids]
+        self.register_buffer("token_ids", ids, persistent=False)
+        self.register_buffer("index", index, persistent=False)
+        # A head of the K rows: the loss's matmuls and softmax run over K instead of V.
+        self.head = TargetHead(head.embed_weight, head.lm_head_weight[ids].contiguous(), bias)
+
+    def contains(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.index[token_ids] >= 0
+
+
+def loss_vocabulary(labels: Iterable[torch.Tensor], vocab_size: int, size: int) -> torch.Tensor:
+    """The `size` token ids most frequent among `labels` (1-D tensors of supervised token ids), ties
+    broken by the lower id; fewer when fewer distinct tokens occur."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ids in labels:
+        counts += torch.bincount(ids.long(), minlength=vocab_size)
+    order = torch.argsort(-counts, stable=True)  # most frequent first, lower id first among equals
+    return order[: min(size, int((counts > 0).sum()))].sort().values
 
 
 def target_num_parameters(target_dir: str | Path) -> int:
