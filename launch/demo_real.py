@@ -86,7 +86,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--target", type=Path, default=None, help="an existing SmolLM2 checkpoint (default: build it, cached)"
     )
     parser.add_argument("--num-prompts", type=int, default=1500, help="training prompts built")
-    parser.add_argument("--regen-samples", type=int, default=512, help="of them, regenerated and trained on")
+    parser.add_argument("--regen-samples", type=int, default=768, help="of them, regenerated and trained on")
     parser.add_argument("--regen-batch-size", type=int, default=32)
     parser.add_argument("--regen-max-new-tokens", type=int, default=128, help="longest regenerated reply")
     parser.add_argument("--max-length", type=int, default=768, help="training sequence length")
@@ -101,7 +101,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="target layers the drafts read, comma-separated (of 0..29; default: the generator's for "
         "--draft-layers, layer 15 for one layer)",
     )
-    parser.add_argument("--steps", type=int, default=400, help="optimizer steps per draft (equal budget)")
+    parser.add_argument("--steps", type=int, default=1000, help="optimizer steps per draft (equal budget)")
     parser.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts evaluated")
     parser.add_argument(
         "--topic-prompts", type=int, default=8, help="out-of-domain held-out prompts (pydoc topics) evaluated"
