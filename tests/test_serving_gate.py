@@ -159,3 +159,18 @@ def target_greedy_ids(target, prompt_ids: list[int], max_new_tokens: int) -> lis
                 break
             ids.append(token)
     return ids[len(prompt_ids) :]
+
+
+def test_the_gate_trains_over_the_whole_vocabulary_whatever_the_config_says(tmp_path):
+    """A loss over a few tokens (objective.loss_vocab_size) never ranks the others below them: the
+    overfit draft would not serve its sample (seen on SmolLM2: tau 3.33 / 4 with 21 tokens)."""
+    from dflash2.config import load_run_config
+    from dflash2.serving_gate import train_overrides
+
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        (REPO_ROOT / "configs" / "smollm2-dflash2.yaml").read_text().replace("runs/", str(tmp_path) + "/")
+    )
+    assert load_run_config(config, []).objective.loss_vocab_size == 4096
+    overrides = train_overrides(tmp_path / "gate", tmp_path / "data.jsonl", 60, 1, [])
+    assert load_run_config(config, overrides).objective.loss_vocab_size is None
