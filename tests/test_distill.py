@@ -19,7 +19,7 @@ from dflash2.objective import (
 )
 from tests.draft_helpers import HIDDEN, VOCAB, random_draft, random_features, random_head
 from tests.run_helpers import check_ok, launch_train, metrics, tiny_subset
-from tests.test_objective import grads, make_batch
+from tests.test_objective import block_outputs, grads, make_batch
 
 SEQ = 18
 
@@ -128,32 +128,21 @@ def test_tv_is_in_zero_one_and_zero_for_equal_distributions():
 
 def slow_objective(draft, head, batch, cfg, anchors, valid):
     """Each block alone; slot k of the block at anchor a against the teacher at a + k - 1."""
-    ids, mask, feats, last = (
-        batch["input_ids"],
-        batch["loss_mask"],
-        batch["features"],
-        batch["target_last_hidden"],
-    )
+    ids, mask, last = batch["input_ids"], batch["loss_mask"], batch["target_last_hidden"]
     terms = cfg.loss_terms
     loss, weight, accept = torch.zeros((), dtype=torch.float64), 0.0, []
-    for b in range(ids.shape[0]):
-        for n in range(anchors.shape[1]):
-            if not valid[b, n]:
+    for b, a, out in block_outputs(draft, head, batch, cfg, anchors, valid):
+        run, prod = 1.0, 1.0
+        for k in range(1, cfg.block_size):
+            if a + k >= SEQ or not mask[b, a + k]:
+                prod = 0.0  # acceptance stops at the first unsupervised slot
                 continue
-            a = int(anchors[b, n])
-            block = torch.tensor([[int(ids[b, a])] + [cfg.mask_token_id] * (cfg.block_size - 1)])
-            out = draft(head.embed(block)[:, None], feats[b : b + 1, :a], torch.tensor([[a]]))[0, 0]
-            run, prod = 1.0, 1.0
-            for k in range(1, cfg.block_size):
-                if a + k >= SEQ or not mask[b, a + k]:
-                    prod = 0.0  # acceptance stops at the first unsupervised slot
-                    continue
-                w = cfg.position_decay ** (k - 1)
-                row = slow_terms(out[k][None], head, ids[b, a + k][None], [w], last[b], [a + k - 1], terms)
-                loss, weight = loss + row["loss"], weight + w
-                prod *= 1 - float(row["rows"][0]["tv"].detach())
-                run += prod
-            accept.append(run)
+            w = cfg.position_decay ** (k - 1)
+            row = slow_terms(out[k][None], head, ids[b, a + k][None], [w], last[b], [a + k - 1], terms)
+            loss, weight = loss + row["loss"], weight + w
+            prod *= 1 - float(row["rows"][0]["tv"].detach())
+            run += prod
+        accept.append(run)
     return loss, weight, sum(accept) / len(accept)
 
 

@@ -11,7 +11,7 @@ from dflash2.objective import ObjectiveConfig, compute_objective, plan_blocks, s
 from dflash2.target.head import loss_vocabulary
 from tests.draft_helpers import VOCAB, random_draft, random_features, random_head
 from tests.run_helpers import check_ok, launch_train, metrics, tiny_subset
-from tests.test_objective import grads, make_batch
+from tests.test_objective import block_outputs, grads, make_batch
 
 SEQ = 18
 
@@ -51,29 +51,20 @@ def slow_vocab_objective(draft, head, ids, batch, cfg, anchors, valid):
     label is the draft's argmax and whether it is in its top-k."""
     sub = head.lm_head_weight[ids].double()
     local = {int(t): i for i, t in enumerate(ids)}
-    tokens, mask, feats, last = (
-        batch[k] for k in ("input_ids", "loss_mask", "features", "target_last_hidden")
-    )
+    tokens, mask, last = batch["input_ids"], batch["loss_mask"], batch["target_last_hidden"]
     loss, weight, picks = torch.zeros((), dtype=torch.float64), 0.0, []
-    for b in range(tokens.shape[0]):
-        for n in range(anchors.shape[1]):
-            if not valid[b, n]:
+    for b, a, out in block_outputs(draft, head, batch, cfg, anchors, valid):
+        for k in range(1, cfg.block_size):
+            if a + k >= SEQ or not mask[b, a + k] or int(tokens[b, a + k]) not in local:
                 continue
-            a = int(anchors[b, n])
-            block = torch.tensor([[int(tokens[b, a])] + [cfg.mask_token_id] * (cfg.block_size - 1)])
-            out = draft(head.embed(block)[:, None], feats[b : b + 1, :a], torch.tensor([[a]]))[0, 0]
-            for k in range(1, cfg.block_size):
-                label = int(tokens[b, min(a + k, SEQ - 1)])
-                if a + k >= SEQ or not mask[b, a + k] or label not in local:
-                    continue
-                w = math.exp(-(k - 1) / cfg.loss_gamma)
-                log_q = torch.log_softmax(out[k].double() @ sub.T, 0)
-                log_p = torch.log_softmax(last[b, a + k - 1].double() @ sub.T, 0)
-                kl = (log_p.exp() * (log_p - log_q)).sum()
-                loss = loss + w * (cfg.ce_weight * -log_q[local[label]] + cfg.kl_weight * kl)
-                weight += w
-                top = ids[log_q.topk(cfg.top_k).indices]  # as ids of the whole vocabulary
-                picks.append((k, int(top[0]) == label, label in top.tolist()))
+            label, w = int(tokens[b, a + k]), math.exp(-(k - 1) / cfg.loss_gamma)
+            log_q = torch.log_softmax(out[k].double() @ sub.T, 0)
+            log_p = torch.log_softmax(last[b, a + k - 1].double() @ sub.T, 0)
+            kl = (log_p.exp() * (log_p - log_q)).sum()
+            loss = loss + w * (cfg.ce_weight * -log_q[local[label]] + cfg.kl_weight * kl)
+            weight += w
+            top = ids[log_q.topk(cfg.top_k).indices]  # as ids of the whole vocabulary
+            picks.append((k, int(top[0]) == label, label in top.tolist()))
     return loss, weight, picks
 
 

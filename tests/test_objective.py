@@ -32,45 +32,52 @@ def make_batch(seed=0):
     return {"input_ids": input_ids, "loss_mask": loss_mask, "features": random_features(SEQ, batch=2)}
 
 
+def block_outputs(draft, head, batch, cfg, anchors, valid):
+    """(row b, anchor a, draft output [B, H]) of every valid block, each block's forward alone against
+    exactly its own prefix of the context: the slow loops' shared first half."""
+    ids, feats = batch["input_ids"], batch["features"]
+    for b in range(ids.shape[0]):
+        for n in range(anchors.shape[1]):
+            if not valid[b, n]:
+                continue
+            a = int(anchors[b, n])
+            block = torch.tensor([[int(ids[b, a])] + [cfg.mask_token_id] * (cfg.block_size - 1)])
+            yield b, a, draft(head.embed(block)[:, None], feats[b : b + 1, :a], torch.tensor([[a]]))[0, 0]
+
+
 def slow_reference(draft, head, batch, cfg, anchors, valid):
     """Python loop: one block at a time, each against exactly its own prefix of the context."""
-    ids, mask, feats = batch["input_ids"], batch["loss_mask"], batch["features"]
+    ids, mask = batch["input_ids"], batch["loss_mask"]
     B = cfg.block_size
     mult = draft.config.dflash_config.get("output_multiplier") or 1.0
     cap = draft.config.dflash_config.get("final_logit_softcapping")
     selector = getattr(draft, "candidate_selector", None)
     base = sel = torch.zeros((), dtype=torch.float64)
     wsum = sel_wsum = 0.0
-    for b in range(ids.shape[0]):
-        for n in range(anchors.shape[1]):
-            if not valid[b, n]:
+    for b, a, out in block_outputs(draft, head, batch, cfg, anchors, valid):
+        for k in range(1, B):
+            if a + k >= SEQ or not mask[b, a + k]:
                 continue
-            a = int(anchors[b, n])
-            block = torch.tensor([[int(ids[b, a])] + [cfg.mask_token_id] * (B - 1)])
-            out = draft(head.embed(block)[:, None], feats[b : b + 1, :a], torch.tensor([[a]]))[0, 0]
-            for k in range(1, B):
-                if a + k >= SEQ or not mask[b, a + k]:
+            w = 1.0 if cfg.loss_gamma is None else math.exp(-(k - 1) / cfg.loss_gamma)
+            wsum += w
+            u = head.logits(out[k]).double() * mult
+            if cap:
+                u = cap * torch.tanh(u / cap)
+            gold = int(ids[b, a + k])
+            base = base + w * (torch.logsumexp(u, 0) - u[gold])
+            if selector is None:
+                continue
+            cand = torch.topk(u, selector.top_k).indices.tolist()
+            if gold not in cand:
+                if cfg.selector_mode == "strict":
                     continue
-                w = 1.0 if cfg.loss_gamma is None else math.exp(-(k - 1) / cfg.loss_gamma)
-                wsum += w
-                u = head.logits(out[k]).double() * mult
-                if cap:
-                    u = cap * torch.tanh(u / cap)
-                gold = int(ids[b, a + k])
-                base = base + w * (torch.logsumexp(u, 0) - u[gold])
-                if selector is None:
-                    continue
-                cand = torch.topk(u, selector.top_k).indices.tolist()
-                if gold not in cand:
-                    if cfg.selector_mode == "strict":
-                        continue
-                    cand[-1] = gold  # the weakest candidate makes room
-                sel_wsum += w
-                pred = int(ids[b, a + k - 1])
-                g = selector.hidden_projection(out[k]).double()
-                A, Bc = selector.predecessor_codebook.double(), selector.successor_codebook.double()
-                scores = torch.stack([u[c] + (A[pred] * g * Bc[c]).sum() for c in cand])
-                sel = sel + w * (torch.logsumexp(scores, 0) - scores[cand.index(gold)])
+                cand[-1] = gold  # the weakest candidate makes room
+            sel_wsum += w
+            pred = int(ids[b, a + k - 1])
+            g = selector.hidden_projection(out[k]).double()
+            A, Bc = selector.predecessor_codebook.double(), selector.successor_codebook.double()
+            scores = torch.stack([u[c] + (A[pred] * g * Bc[c]).sum() for c in cand])
+            sel = sel + w * (torch.logsumexp(scores, 0) - scores[cand.index(gold)])
     return {
         "loss": base + cfg.selector_loss_alpha * sel,
         "base": base,
