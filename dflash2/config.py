@@ -52,6 +52,19 @@ class ModelConfig(_Section):
     draft_config: str  # draft config.json (HF form, see docs/contract.md)
     target: str  # Hugging Face causal LM directory (safetensors + tokenizer)
     target_dtype: Precision | None = None  # default: the run precision
+    # Start the draft from the target's weights (dflash2.target.draft_init): its layers from target
+    # layers `init_target_layers` (default: the last n, n = the draft's layers), its final norm from
+    # the target's, fc reading the deepest captured layer. Only at step 0; a resume loads its checkpoint.
+    init_from_target: bool = False
+    init_target_layers: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _init_layers_need_init(self) -> ModelConfig:
+        if self.init_target_layers is not None and not self.init_from_target:
+            raise ValueError(
+                "model.init_target_layers is set but model.init_from_target is false; set both or neither"
+            )
+        return self
 
 
 class DataConfig(_Section):

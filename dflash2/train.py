@@ -27,6 +27,7 @@ from dflash2.faults import collective_section, stop_request, write_stop_marker
 from dflash2.models import TargetHead, build_draft
 from dflash2.objective import ObjectiveConfig, compute_objective, plan_blocks
 from dflash2.run_plan import RunPlan
+from dflash2.target.draft_init import init_from_target
 from dflash2.target.head import load_target_head, loss_vocabulary, target_num_parameters
 from dflash2.timing import StepTimer
 from dflash2.train_log import TrainLogger
@@ -104,6 +105,10 @@ def build_setup(plan: RunPlan, backend: Backend, features: FeatureSource | None 
     draft_config = draft.config.to_dict()
     if plan.resume_from is not None:  # a refused resume stops here, before the target loads
         check_resume(plan.resume_from, plan.contract)
+    elif cfg.model.init_from_target:
+        summary = init_from_target(draft, cfg.model.target, plan.target_config, cfg.model.init_target_layers)
+        if backend.is_main:
+            print(f"[dflash2] {summary}", flush=True)
     target, head = build_target(plan, backend, load_full=features is None)
     dataset = build_dataset(cfg.data, plan.tokenizer, backend.is_main)
     if cfg.objective.loss_vocab_size is not None:

@@ -56,6 +56,29 @@ def launch_train(nproc: int, overrides: list[str], **kwargs) -> subprocess.Compl
     return run(train_command(nproc, overrides), **kwargs)
 
 
+def short_tiny_run(tiny_default, directory: Path, *overrides: str, num_lines: int = 32, steps: int = 8):
+    """One process trains the tiny default `steps` steps on the first `num_lines` lines of its data
+    (short sequences, 8 anchors, micro-batch 2, lr 3e-3 without warmup, no export), `overrides` on
+    top. Returns (the finished process, its metrics.jsonl records)."""
+    data = tiny_subset(tiny_default, directory, num_lines)
+    base = [
+        f"model.target={tiny_default.target_dir}",
+        f"data.train={data}",
+        "data.max_length=96",
+        "objective.num_anchors=8",
+        "train.micro_batch_size=2",
+        f"train.max_steps={steps}",
+        "train.warmup_steps=0",
+        "train.lr=3e-3",
+        "train.log_every=1",
+        "train.progress_bar=false",
+        "train.export=false",
+        f"output_dir={directory / 'run'}",
+    ]
+    result = check_ok(launch_train(1, [*base, *overrides]))
+    return result, metrics(directory / "run")
+
+
 def run_script_main(monkeypatch, script: str, arguments: list[str]) -> None:
     """Run data_prep/<script>'s main() in this process with `arguments` as its argv."""
     import importlib.util

@@ -10,7 +10,7 @@ import torch
 from dflash2.objective import ObjectiveConfig, compute_objective, plan_blocks, summarize_metrics
 from dflash2.target.head import loss_vocabulary
 from tests.draft_helpers import VOCAB, random_draft, random_features, random_head
-from tests.run_helpers import check_ok, launch_train, metrics, tiny_subset
+from tests.run_helpers import short_tiny_run
 from tests.test_objective import block_outputs, grads, make_batch
 
 SEQ = 18
@@ -108,25 +108,9 @@ def test_a_vocabulary_smaller_than_the_top_k_names_the_fix():
 
 
 def test_a_run_with_a_loss_vocabulary_trains_and_reports_its_coverage(tiny_default, tmp_path):
-    data = tiny_subset(tiny_default, tmp_path, 32)
-    overrides = [
-        f"model.target={tiny_default.target_dir}",
-        f"data.train={data}",
-        "data.max_length=96",
-        "objective.num_anchors=8",
-        "objective.loss_vocab_size=48",
-        "objective.kl_weight=1.0",
-        "train.micro_batch_size=2",
-        "train.max_steps=8",
-        "train.warmup_steps=0",
-        "train.lr=3e-3",
-        "train.log_every=1",
-        "train.progress_bar=false",
-        "train.export=false",
-        f"output_dir={tmp_path / 'run'}",
-    ]
-    result = check_ok(launch_train(1, overrides))
+    result, steps = short_tiny_run(
+        tiny_default, tmp_path, "objective.loss_vocab_size=48", "objective.kl_weight=1.0"
+    )
     assert "[dflash2] loss vocabulary: the 48 most frequent of" in result.stdout
-    steps = metrics(tmp_path / "run")
     assert all(math.isfinite(m["loss"]) for m in steps)
     assert sum(m["loss"] for m in steps[-2:]) < sum(m["loss"] for m in steps[:2])

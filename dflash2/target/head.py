@@ -127,7 +127,7 @@ def target_num_parameters(target_dir: str | Path) -> int:
     return total
 
 
-def _checkpoint_model(config) -> torch.nn.Module:
+def checkpoint_model(config) -> torch.nn.Module:
     """The class that wrote the checkpoint (config.architectures), so its module names are the
     checkpoint's tensor names: a vision-language checkpoint keeps its text decoder under
     `model.language_model.*`, which AutoModelForCausalLM renames only while loading."""
@@ -147,7 +147,7 @@ def _head_tensor_names(target_dir: str | Path, config=None) -> tuple[str, str, b
 
     config = config or AutoConfig.from_pretrained(target_dir)
     with torch.device("meta"):  # no memory: only the module names are wanted
-        model = _checkpoint_model(config)
+        model = checkpoint_model(config)
     module_names = {id(module): name for name, module in model.named_modules()}
     embed, head = head_modules(model)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
