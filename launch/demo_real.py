@@ -90,18 +90,17 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--regen-batch-size", type=int, default=32)
     parser.add_argument("--regen-max-new-tokens", type=int, default=128, help="longest regenerated reply")
     parser.add_argument("--max-length", type=int, default=768, help="training sequence length")
-    parser.add_argument("--draft-layers", type=int, default=1, help="decoder layers of each draft")
+    parser.add_argument("--draft-layers", type=int, default=2, help="decoder layers of each draft")
     parser.add_argument(
         "--block-size", type=int, default=4, help="draft block (4: a verify step costs less on a CPU)"
     )
     parser.add_argument(
         "--target-layer-ids",
         type=lambda text: [int(i) for i in text.split(",")],
-        default=None,
-        help="target layers the drafts read, comma-separated (of 0..29; default: the generator's for "
-        "--draft-layers, layer 15 for one layer)",
+        default=[1, 14, 27],
+        help="target layers the drafts read, comma-separated (of 0..29)",
     )
-    parser.add_argument("--steps", type=int, default=1000, help="optimizer steps per draft (equal budget)")
+    parser.add_argument("--steps", type=int, default=850, help="optimizer steps per draft (equal budget)")
     parser.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts evaluated")
     parser.add_argument(
         "--topic-prompts", type=int, default=8, help="out-of-domain held-out prompts (pydoc topics) evaluated"
