@@ -60,11 +60,12 @@ def init_from_target(
     missing = [name for *_, name in copies if name not in files]
     if missing:
         raise ValueError(f"{target_dir}: no tensor {missing[0]!r} in the checkpoint; {FIX}")
+    values = []  # every value checked before any is copied: a refusal leaves the draft as it was
+    for module, _, source, name in copies:
+        value = _read(files, name)
+        values.append(_norm_scale(source, value, module, name) if _is_norm(module) else value)
     with torch.no_grad():
-        for module, param, source, name in copies:
-            value = _read(files, name)
-            if _is_norm(module):
-                value = _norm_scale(source, value, module, name)
+        for (module, param, *_), value in zip(copies, values):
             getattr(module, param).copy_(value)
         deepest = draft.target_layer_ids.index(max(draft.target_layer_ids))
         hidden = draft.fc.weight.shape[0]
