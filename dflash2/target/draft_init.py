@@ -22,10 +22,9 @@ import copy
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 
-from dflash2.target.files import target_tensor_files
+from dflash2.target.files import read_tensor, target_tensor_files
 from dflash2.target.head import checkpoint_model
 
 FIX = "set model.init_from_target: false to start the draft from a random initialisation"
@@ -62,7 +61,7 @@ def init_from_target(
         raise ValueError(f"{target_dir}: no tensor {missing[0]!r} in the checkpoint; {FIX}")
     values = []  # every value checked before any is copied: a refusal leaves the draft as it was
     for module, _, source, name in copies:
-        value = _read(files, name)
+        value = read_tensor(files, name).float()
         values.append(_norm_scale(source, value, module, name) if _is_norm(module) else value)
     with torch.no_grad():
         for (module, param, *_), value in zip(copies, values):
@@ -133,8 +132,3 @@ def _norm_scale(source: nn.Module, weight: torch.Tensor, draft_norm: nn.Module, 
                 f"{name}: the target's {type(source).__name__} is not an RMS norm with a scale; {FIX}"
             )
     return scale
-
-
-def _read(files: dict[str, Path], name: str) -> torch.Tensor:
-    with safe_open(str(files[name]), framework="pt") as f:
-        return f.get_tensor(name).float()

@@ -37,3 +37,9 @@ def target_tensor_files(target_dir: str | Path) -> dict[str, Path]:
             "point it at a Hugging Face directory saved with safetensors"
         )
     return files
+
+
+def read_tensor(files: dict[str, Path], name: str):
+    """Tensor `name` from the file `files` (tensor_files) says holds it."""
+    with safe_open(str(files[name]), framework="pt") as f:
+        return f.get_tensor(name)

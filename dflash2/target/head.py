@@ -15,7 +15,7 @@ from safetensors import safe_open
 from torch import nn
 from torch.nn import functional as F
 
-from dflash2.target.files import target_tensor_files
+from dflash2.target.files import read_tensor, target_tensor_files
 
 
 def head_modules(model: nn.Module) -> tuple[nn.Module, nn.Module]:
@@ -155,11 +155,6 @@ def _head_tensor_names(target_dir: str | Path, config=None) -> tuple[str, str, b
     return f"{module_names[id(embed)]}.weight", module_names[id(head)], tied
 
 
-def _read(files: dict[str, Path], name: str) -> torch.Tensor:
-    with safe_open(str(files[name]), framework="pt") as f:
-        return f.get_tensor(name)
-
-
 def load_target_head(
     target_dir: str | Path, dtype: torch.dtype, device: torch.device | str = "cpu", config=None
 ) -> TargetHead:
@@ -175,10 +170,10 @@ def load_target_head(
             f"{target_dir}: no tensor {embed_name!r} in the checkpoint (it holds e.g. {sorted(files)[:4]}); "
             "the checkpoint's tensor names do not match its model class"
         )
-    embed = _read(files, embed_name)
+    embed = read_tensor(files, embed_name)
     head_weight_name = f"{head_name}.weight"
     if head_weight_name in files:
-        head = _read(files, head_weight_name)
+        head = read_tensor(files, head_weight_name)
     elif tied:
         head = embed
     else:
@@ -187,6 +182,6 @@ def load_target_head(
             "the checkpoint is incomplete"
         )
     bias_name = f"{head_name}.bias"
-    bias = _read(files, bias_name) if bias_name in files else None
+    bias = read_tensor(files, bias_name) if bias_name in files else None
     as_head = lambda t: None if t is None else t.to(device=device, dtype=dtype)  # noqa: E731
     return TargetHead(as_head(embed), as_head(head), as_head(bias))
