@@ -7,7 +7,8 @@ Every rank runs the same calls in the same order; rank 0 only guards file writes
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -237,6 +238,23 @@ def save(setup: Setup, state: TrainState) -> Path:
         )
 
 
+@contextmanager
+def subnormals_flushed(device: torch.device) -> Iterator[None]:
+    """On a CPU, flush subnormal floats (below 1.2e-38 in fp32) to zero inside the block.
+
+    The softmax tails of the chunked loss and the gradients they make are full of them, and a CPU
+    computes on a subnormal dozens of times slower: flushing them took 15% off a SmolLM2 DFlash 2
+    step (docs/benchmarks.md). Values that small change no loss and no update in a visible digit.
+    The flag is per process and restored to off afterwards. A GPU is left as it is."""
+    if device.type != "cpu" or not torch.set_flush_denormal(True):
+        yield
+        return
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
+
+
 def fit(
     setup: Setup, *, timer: StepTimer | None = None, stop_vote: Callable[[], bool] | None = None
 ) -> dict[str, float]:
@@ -244,7 +262,13 @@ def fit(
     signal, dflash2.faults): then every rank ends after the same step and the run checkpoints there.
     `timer`: how steps are timed (default: each step and its capture, dflash2.timing);
     benchmarks/pipeline.py passes one that times every region. `stop_vote`: this rank's vote in the
-    stop decision (default: whether it received a stop signal)."""
+    stop decision (default: whether it received a stop signal). On a CPU the steps run with
+    subnormals flushed to zero (`subnormals_flushed`)."""
+    with subnormals_flushed(setup.backend.device):
+        return _fit(setup, timer, stop_vote)
+
+
+def _fit(setup: Setup, timer: StepTimer | None, stop_vote: Callable[[], bool] | None) -> dict[str, float]:
     backend, t = setup.backend, setup.cfg.train
     timer = timer or StepTimer(backend.device)
     state = _resume(setup)

@@ -184,3 +184,21 @@ def test_a_shipped_config_stopped_on_two_ranks_resumes_on_one_with_no_override(t
         assert after["num_supervised_tokens"] == uninterrupted["num_supervised_tokens"]  # the same samples
         # fp32, the same samples summed in another order (one rank, two micro-batches)
         assert after["loss"] == pytest.approx(uninterrupted["loss"], rel=1e-5), after["step"]
+
+
+def test_subnormals_are_flushed_on_a_cpu_inside_the_block_and_restored_after():
+    import torch
+
+    from dflash2.train import subnormals_flushed
+
+    subnormal = torch.tensor([1e-40], dtype=torch.float32)  # below fp32's smallest normal, 1.18e-38
+    assert (subnormal * 1).item() > 0
+    with subnormals_flushed(torch.device("cpu")):
+        assert (subnormal * 1).item() == 0
+        assert (torch.tensor([1e-30]) * 1).item() > 0  # a normal float is untouched
+    assert (subnormal * 1).item() > 0
+    with pytest.raises(RuntimeError, match="inside"), subnormals_flushed(torch.device("cpu")):
+        raise RuntimeError("inside")
+    assert (subnormal * 1).item() > 0, "the flag stays on after an error"
+    with subnormals_flushed(torch.device("cuda")):  # not a CPU: left as it is (no GPU touched)
+        assert (subnormal * 1).item() > 0
