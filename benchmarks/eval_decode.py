@@ -43,6 +43,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a plain script from any directory
     sys.path.insert(0, str(REPO_ROOT))
 
 from dflash2 import decode  # noqa: E402
+from dflash2.config import torch_dtype  # noqa: E402
 from dflash2.evaluate import encode_prompt, load_models, read_prompts  # noqa: E402
 from dflash2.models import TargetHead, build_draft  # noqa: E402
 from dflash2.models.config import default_target_layer_ids, load_config_dict  # noqa: E402
@@ -67,6 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--num-prompts", type=int, default=2)
     add("--window-steps", type=int, default=64, help="draft steps timed at the start and at the end")
     add("--device", default="cpu")
+    add("--precision", choices=("fp32", "bf16"), default="fp32", help="dtype of the target, draft and head")
     add("--plain-layout", action="store_true", help="keep the weights as loaded (no use_decoding_layout)")
     add("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     add("--json", type=Path, default=None, help="write the report to this JSON file")
@@ -104,16 +106,17 @@ def sized_draft_config(args: argparse.Namespace, target_config) -> dict:
 
 
 def load(args: argparse.Namespace):
-    """(draft, target, head, tokenizer) on args.device, fp32, eval mode, laid out for decoding
-    (as `python -m dflash2.evaluate` loads them) unless --plain-layout."""
+    """(draft, target, head, tokenizer) on args.device in --precision, eval mode, laid out for
+    decoding (as `python -m dflash2.evaluate` loads them) unless --plain-layout."""
+    dtype = torch_dtype(args.precision)
     if args.draft is not None:
-        return load_models(args.draft, args.target, args.device, decoding_layout=not args.plain_layout)
+        return load_models(args.draft, args.target, args.device, dtype, decoding_layout=not args.plain_layout)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.target)
-    target = AutoModelForCausalLM.from_pretrained(args.target).to(args.device).eval()
+    target = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(args.device).eval()
     torch.manual_seed(0)
-    draft = build_draft(sized_draft_config(args, target.config)).to(args.device).eval()
+    draft = build_draft(sized_draft_config(args, target.config)).to(args.device, dtype).eval()
     head = TargetHead.from_target(target)
     if not args.plain_layout:
         use_decoding_layout(target, draft, head)
@@ -122,18 +125,18 @@ def load(args: argparse.Namespace):
 
 def gemm_layouts(target, rows: tuple[int, ...], repeats: int = 20) -> dict:
     """Median CPU ms of F.linear on the shapes of the target's LM head and of the largest linear of
-    its first layer (random values), the weight [out, in] row-major (as loaded) vs stored
-    transposed (use_decoding_layout)."""
+    its first layer (random values in the target's dtype), the weight [out, in] row-major (as
+    loaded) vs stored transposed (use_decoding_layout)."""
     from torch.nn import functional as F
 
     out = {}
     linears = [m for m in decoder_layers(target)[0].modules() if isinstance(m, torch.nn.Linear)]
     largest = max(linears, key=lambda m: m.weight.numel()).weight  # an MLP projection
     for weight in (target.get_output_embeddings().weight, largest):
-        as_loaded = torch.randn(weight.shape)
+        as_loaded = torch.randn(weight.shape, dtype=weight.dtype)
         laid_out = as_loaded.t().contiguous().t()
         for m in rows:
-            x = torch.randn(m, weight.shape[1])
+            x = torch.randn(m, weight.shape[1], dtype=weight.dtype)
             for name, w in (("as_loaded", as_loaded), ("decoding_layout", laid_out)):
                 times = []
                 for _ in range(repeats):
@@ -249,6 +252,9 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = [encode_prompt(m, tokenizer) for m in read_prompts(args.data, args.num_prompts)]
     report = report_of(args, prompts, *decode_all(args, draft, target, head, prompts))
     report["gemm_cpu_ms"] = gemm_layouts(target, (1, draft.block_size))
+    report["dtypes"] = {
+        name: str(next(m.parameters()).dtype) for name, m in (("target", target), ("draft", draft))
+    }
     print(json.dumps(report, indent=2))
     print_table(report)
     if args.json is not None:

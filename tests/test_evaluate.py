@@ -264,6 +264,9 @@ def test_decoding_layout_keeps_values_and_greedy_output(architecture):
         torch.testing.assert_close(target(torch.tensor([PROMPT])).logits, logits, rtol=1e-5, atol=1e-5)
     result = decode.speculative_generate(draft, target, head, PROMPT, max_new_tokens=40)
     assert result.output_ids == reference == decode.target_generate(target, PROMPT, max_new_tokens=40)
+    bf16 = build_target(seed=2).to(torch.bfloat16)
+    use_decoding_layout(bf16)  # bf16 weights stay as loaded (row-major [out, in])
+    assert bf16.lm_head.weight.is_contiguous() and bf16.model.layers[0].mlp.up_proj.weight.is_contiguous()
 
 
 # ------------------------------------------------------------------ sampling is lossless
@@ -579,3 +582,7 @@ def test_decode_benchmark_breaks_a_verify_step_down(tiny_default, tmp_path):
     assert report["speedup"] == pytest.approx(report["spec_tokens_per_s"] / report["target_tokens_per_s"])
     ratio = step["step"]["wall_ms"] / report["plain_step_ms"]
     assert report["verify_step_in_plain_steps"] == pytest.approx(ratio)
+    assert report["dtypes"] == {"target": "torch.float32", "draft": "torch.float32"}
+    bf16 = bench.main([*args, "--window-steps", "4", "--precision", "bf16"])
+    assert bf16["dtypes"] == {"target": "torch.bfloat16", "draft": "torch.bfloat16"}
+    assert bf16["generated_tokens"] == 24

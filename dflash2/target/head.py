@@ -75,7 +75,12 @@ class TargetHead(nn.Module):
         return F.embedding(input_ids, self.embed_weight)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight.to(hidden.dtype), self.lm_head_bias)
+        """hidden [..., H] -> logits [..., V]. As one 2-D product: a slice such as a block's slots
+        [b, B-1, H] keeps its parent's strides, on which a bf16 product on a CPU leaves the fast
+        kernel (50 ms instead of 2 ms for 3 rows of SmolLM2's head, docs/benchmarks.md)."""
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        logits = F.linear(rows, self.lm_head_weight.to(hidden.dtype), self.lm_head_bias)
+        return logits.view(*hidden.shape[:-1], logits.shape[-1])
 
     @classmethod
     def from_target(cls, target: nn.Module, dtype: torch.dtype | None = None) -> TargetHead:

@@ -31,17 +31,23 @@ from dflash2.target.hooks import capture_layer_outputs
 
 
 def use_decoding_layout(*modules: nn.Module) -> None:
-    """On CPU, keep every `nn.Linear` weight of `modules` (and a TargetHead's LM head) transposed in
-    memory: same values, same shape, strides swapped. `F.linear` over a few rows (a verify block of
-    B tokens, the draft's block) then runs MKL's plain GEMM instead of its transposed one, about 2x
-    faster at 8 rows on the CPUs measured (docs/benchmarks.md); a one-row forward is as fast as
-    before. The logits are those of another GEMM kernel: equal within fp32 rounding, not bitwise.
-    Tied weights stay tied (one parameter); calling it twice changes nothing; other devices: no-op."""
+    """On CPU, keep every fp32 `nn.Linear` weight of `modules` (and a TargetHead's fp32 LM head)
+    transposed in memory: same values, same shape, strides swapped. An fp32 `F.linear` over a few
+    rows (a verify block of B tokens, the draft's block) then runs MKL's plain GEMM instead of its
+    transposed one, about 2x faster at 8 rows on the CPUs measured (docs/benchmarks.md); a one-row
+    forward is as fast as before. The logits are those of another GEMM kernel: equal within fp32
+    rounding, not bitwise. bf16 weights stay as loaded: their kernels (oneDNN) are faster on the
+    usual layout (docs/benchmarks.md, "bf16 on a CPU"). Tied weights stay tied (one parameter);
+    calling it twice changes nothing; other devices: no-op."""
+
+    def laid_out(weight: torch.Tensor) -> bool:
+        return weight.device.type == "cpu" and weight.dtype == torch.float32
+
     for module in modules:
         for sub in module.modules():
-            if isinstance(sub, nn.Linear) and sub.weight.device.type == "cpu":
+            if isinstance(sub, nn.Linear) and laid_out(sub.weight):
                 sub.weight.data = sub.weight.data.t().contiguous().t()
-            if isinstance(sub, TargetHead) and sub.lm_head_weight.device.type == "cpu":
+            if isinstance(sub, TargetHead) and laid_out(sub.lm_head_weight):
                 sub.lm_head_weight = sub.lm_head_weight.t().contiguous().t()
 
 
