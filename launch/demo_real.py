@@ -31,6 +31,7 @@ from dflash2.fixtures.smollm2 import build_smollm2  # noqa: E402
 from dflash2.models.config import DFLASH, DFLASH2  # noqa: E402
 
 CONFIGS = {"dflash": "configs/smollm2-dflash.yaml", "dflash2": "configs/smollm2-dflash2.yaml"}
+DTYPES = {"bf16": "bfloat16", "fp32": "float32"}  # data_prep/regenerate.py --dtype
 ARCHITECTURES = {"dflash": DFLASH.name, "dflash2": DFLASH2.name}
 
 
@@ -64,15 +65,16 @@ def write_draft_configs(args: argparse.Namespace, target_dir: Path, out: Path) -
     return paths
 
 
-def capture(data: Path, out: Path, max_length: int, draft_config: Path) -> Path:
-    """The target's features at the drafts' target layers, once, for both drafts (same layer ids)."""
+def capture(data: Path, out: Path, max_length: int, draft_config: Path, precision: str) -> Path:
+    """The target's features at the drafts' target layers, once, for both drafts (same layer ids),
+    the target run in `precision` (the features are stored in it)."""
     features = out / "features"
     if (features / "manifest.json").is_file():
         print(f"  reusing {features}")
         return features
     command = [sys.executable, "data_prep/capture.py", "--config", CONFIGS["dflash2"], "--out", str(features)]
     command += [f"data.train={data}", f"data.max_length={max_length}", f"output_dir={out / 'capture'}"]
-    command += [f"model.draft_config={draft_config}"]
+    command += [f"model.draft_config={draft_config}", f"precision={precision}", "model.target_dtype=null"]
     demo.run(command, out / "capture.log", threads=None)
     return features
 
@@ -100,7 +102,14 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=[1, 14, 27],
         help="target layers the drafts read, comma-separated (of 0..29)",
     )
-    parser.add_argument("--steps", type=int, default=850, help="optimizer steps per draft (equal budget)")
+    parser.add_argument("--steps", type=int, default=1500, help="optimizer steps per draft (equal budget)")
+    parser.add_argument(
+        "--precision",
+        choices=("bf16", "fp32"),
+        default="bf16",
+        help="of the target in every stage and of the drafts' compute (bf16: what a server runs); the "
+        "serving gate always runs in fp32, where speculative decoding must equal the target exactly",
+    )
     parser.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts evaluated")
     parser.add_argument(
         "--topic-prompts", type=int, default=8, help="out-of-domain held-out prompts (pydoc topics) evaluated"
@@ -157,7 +166,13 @@ def build_data(args: argparse.Namespace, out: Path, stages: Stages) -> tuple[Sou
     title = f"regenerate {args.regen_samples} replies with the target (greedy, token ids kept)"
     with stages.next(title, "regenerate"):
         regen = demo.regenerate(
-            sources, out, args.regen_samples, args.regen_batch_size, args.regen_max_new_tokens, threads=None
+            sources,
+            out,
+            args.regen_samples,
+            args.regen_batch_size,
+            args.regen_max_new_tokens,
+            threads=None,
+            dtype=DTYPES[args.precision],
         )
     return sources, regen
 
@@ -167,10 +182,11 @@ def train_drafts(
 ) -> dict[str, Path]:
     """Offline features once, then a DFlash and a DFlash 2 draft on them with the same budget."""
     with stages.next("capture the target's features offline (once, for both drafts)", "capture"):
-        features = capture(regen, out, args.max_length, draft_configs["dflash2"])
+        features = capture(regen, out, args.max_length, draft_configs["dflash2"], args.precision)
 
     def train(name: str) -> Path:
         overrides = (f"data.features_dir={features}", f"data.max_length={args.max_length}")
+        overrides += (f"precision={args.precision}", "model.target_dtype=null")
         overrides += (f"model.draft_config={draft_configs[name]}", *args.train)
         return demo.train(name, CONFIGS[name], regen, out / name, args.steps, overrides, 1)
 
@@ -201,13 +217,16 @@ def main(argv: list[str] | None = None) -> int:
         drafts = [("tau_untrained", untrained), ("tau_dflash", exports["dflash"])]
         drafts.append(("tau_dflash2", exports["dflash2"]))
         # In this process one after the other: loading Hugging Face models is not thread-safe.
-        results = demo.evaluate_drafts(sources, drafts, args.eval_prompts, args.max_new_tokens)
+        results = demo.evaluate_drafts(
+            sources, drafts, args.eval_prompts, args.max_new_tokens, precision=args.precision
+        )
         topics = replace(sources, heldout_jsonl=sources.topics_jsonl)
         out_of_domain = demo.evaluate_drafts(
-            topics, drafts[1:], args.topic_prompts, args.max_new_tokens, name="eval_topics"
+            topics, drafts[1:], args.topic_prompts, args.max_new_tokens, "eval_topics", args.precision
         )
     with stages.next("serving gate: overfit one sample, export, reload, decode", "serving_gate"):
         gate_arguments = ("--max-new-tokens", "64", f"model.draft_config={draft_configs['dflash2']}")
+        gate_arguments += ("precision=fp32", "model.target_dtype=null")
         gate_sources = replace(sources, train_jsonl=regen)
         gate = demo.serving_gate(gate_sources, out, CONFIGS["dflash2"], *gate_arguments, threads=None)
     summary = {
