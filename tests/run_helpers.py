@@ -79,13 +79,19 @@ def short_tiny_run(tiny_default, directory: Path, *overrides: str, num_lines: in
     return result, metrics(directory / "run")
 
 
-def run_script_main(monkeypatch, script: str, arguments: list[str]) -> None:
-    """Run data_prep/<script>'s main() in this process with `arguments` as its argv."""
+def load_script(script: str):
+    """A script of the repository (data_prep/..., launch/...) imported as a module, nothing run."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(Path(script).stem + "_cli", REPO / script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    return module
+
+
+def run_script_main(monkeypatch, script: str, arguments: list[str]) -> None:
+    """Run data_prep/<script>'s main() in this process with `arguments` as its argv."""
+    module = load_script(script)
     monkeypatch.setattr(sys, "argv", [Path(script).name, *arguments])
     module.main()
 

@@ -586,3 +586,24 @@ def test_decode_benchmark_breaks_a_verify_step_down(tiny_default, tmp_path):
     bf16 = bench.main([*args, "--window-steps", "4", "--precision", "bf16"])
     assert bf16["dtypes"] == {"target": "torch.bfloat16", "draft": "torch.bfloat16"}
     assert bf16["generated_tokens"] == 24
+
+
+def test_the_demos_evaluate_each_draft_in_the_precision_asked_and_count_equal_outputs(tiny_default, tmp_path):
+    """launch/demo.py's evaluate_drafts (make demo, make demo-real): every draft's report in the
+    precision asked, and the count of greedy outputs equal to the target's own (all of them in fp32,
+    where speculative decoding is exact) next to its tau."""
+    from tests.run_helpers import load_script
+
+    demo = load_script("launch/demo.py")
+    draft = demo.export_untrained(tmp_path / "untrained" / "export")
+    for precision in ("fp32", "bf16"):
+        results = demo.evaluate_drafts(
+            tiny_default, [("tau_untrained", draft)], 3, 8, f"eval_{precision}", precision
+        )
+        report = json.loads((tmp_path / "untrained" / f"eval_{precision}.json").read_text())
+        assert report["precision"] == precision and report["num_prompts"] == 3
+        assert results["tau_untrained"] == report["mean_acceptance_length"]
+        assert results["outputs_equal_untrained"] == report["outputs_equal_target"]
+    assert results["outputs_equal_untrained"] <= 3
+    fp32 = json.loads((tmp_path / "untrained" / "eval_fp32.json").read_text())
+    assert fp32["outputs_equal_target"] == 3
