@@ -244,7 +244,7 @@ def subnormals_flushed(device: torch.device) -> Iterator[None]:
 
     The softmax tails of the chunked loss and the gradients they make are full of them, and a CPU
     computes on a subnormal dozens of times slower: flushing them took 15% off a SmolLM2 DFlash 2
-    step (docs/benchmarks.md). Values that small change no loss and no update in a visible digit.
+    step (docs/training.md, "bf16 on a CPU"). Values that small change no loss and no update in a visible digit.
     The flag is per process and restored to off afterwards. A GPU is left as it is."""
     if device.type != "cpu" or not torch.set_flush_denormal(True):
         yield

@@ -225,6 +225,10 @@ def write_summary(out: Path, summary: dict) -> None:
         ("prompt lookup tau (no draft)", f"{summary['tau_prompt_lookup']:.2f}"),
         ("DFlash speedup", speedup_text(summary["speedup_dflash"])),
         ("DFlash 2 speedup", speedup_text(summary["speedup_dflash2"])),
+        (
+            "greedy outputs equal to the target's, DFlash / DFlash 2",
+            f"{summary['outputs_equal_dflash']} / {summary['outputs_equal_dflash2']}",
+        ),
         *[
             (f"{label} tau, out of domain (pydoc topics)", f"{summary[key]:.2f}")
             for label, key in (
@@ -237,9 +241,6 @@ def write_summary(out: Path, summary: dict) -> None:
         ("serving gate", f"{gate} (tau {summary['serving_gate_accept_length']:.2f})"),
         ("wall time", f"{summary['wall_time_s']:.0f} s"),
     ]
-    if "outputs_equal_dflash2" in summary:
-        equal = f"{summary['outputs_equal_dflash']} / {summary['outputs_equal_dflash2']}"
-        rows.insert(6, ("greedy outputs equal to the target's, DFlash / DFlash 2", equal))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"  {k:<{width}}  {v}")

@@ -25,13 +25,13 @@ sys.path.insert(0, str(REPO / "launch"))
 
 import demo  # noqa: E402  (launch/demo.py: the stages both demos run)
 
+from dflash2.config import torch_dtype  # noqa: E402
 from dflash2.data.real_prompts import build_real_prompts  # noqa: E402
 from dflash2.draft_config import DraftChoices, build_draft_config  # noqa: E402
 from dflash2.fixtures.smollm2 import build_smollm2  # noqa: E402
 from dflash2.models.config import DFLASH, DFLASH2  # noqa: E402
 
 CONFIGS = {"dflash": "configs/smollm2-dflash.yaml", "dflash2": "configs/smollm2-dflash2.yaml"}
-DTYPES = {"bf16": "bfloat16", "fp32": "float32"}  # data_prep/regenerate.py --dtype
 ARCHITECTURES = {"dflash": DFLASH.name, "dflash2": DFLASH2.name}
 
 
@@ -172,7 +172,7 @@ def build_data(args: argparse.Namespace, out: Path, stages: Stages) -> tuple[Sou
             args.regen_batch_size,
             args.regen_max_new_tokens,
             threads=None,
-            dtype=DTYPES[args.precision],
+            dtype=str(torch_dtype(args.precision)).removeprefix("torch."),  # regenerate.py --dtype
         )
     return sources, regen
 

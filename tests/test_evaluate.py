@@ -604,6 +604,5 @@ def test_the_demos_evaluate_each_draft_in_the_precision_asked_and_count_equal_ou
         assert report["precision"] == precision and report["num_prompts"] == 3
         assert results["tau_untrained"] == report["mean_acceptance_length"]
         assert results["outputs_equal_untrained"] == report["outputs_equal_target"]
-    assert results["outputs_equal_untrained"] <= 3
     fp32 = json.loads((tmp_path / "untrained" / "eval_fp32.json").read_text())
     assert fp32["outputs_equal_target"] == 3

@@ -199,6 +199,6 @@ def test_subnormals_are_flushed_on_a_cpu_inside_the_block_and_restored_after():
     assert (subnormal * 1).item() > 0
     with pytest.raises(RuntimeError, match="inside"), subnormals_flushed(torch.device("cpu")):
         raise RuntimeError("inside")
-    assert (subnormal * 1).item() > 0, "the flag stays on after an error"
+    assert (subnormal * 1).item() > 0, "the flag stayed on after an error"
     with subnormals_flushed(torch.device("cuda")):  # not a CPU: left as it is (no GPU touched)
         assert (subnormal * 1).item() > 0
