@@ -60,7 +60,7 @@ from dflash2.checkpoint import TrainState  # noqa: E402
 from dflash2.config import RunConfig, load_run_config  # noqa: E402
 from dflash2.data.loader import StepBatch, anchor_generators, step_batches  # noqa: E402
 from dflash2.distributed import init_distributed, shutdown_distributed  # noqa: E402
-from dflash2.objective import plan_blocks  # noqa: E402
+from dflash2.objective import plan_blocks, supervised_mask  # noqa: E402
 from dflash2.run import offline_features, run, run_backend  # noqa: E402
 from dflash2.run_plan import resolve_run  # noqa: E402
 from dflash2.timing import ITERATION, STEP, StepTimer, region  # noqa: E402
@@ -228,7 +228,7 @@ def supervised_rows(setup: Setup, step: StepBatch) -> list[int]:
         batch = load_batch(setup, indices)
         plan = plan_blocks(
             batch["input_ids"],
-            batch["loss_mask"],
+            supervised_mask(batch, setup.objective),
             setup.objective,
             anchor_generators(setup.cfg.seed, step.epoch, indices),
         )

@@ -99,6 +99,10 @@ class ObjectiveSection(_Section):
     # vocabulary (a cheaper step: the head's matmuls and softmax shrink V -> K); slots whose label is
     # outside them are not supervised. The exported draft keeps the target's whole head. null: all V.
     loss_vocab_size: int | None = Field(None, ge=1)
+    # the tokens the loss supervises: "replies" = the data's loss_mask (the assistant's replies);
+    # "all" = every token of each sequence, the prompts too (with kl_weight / tv_weight the target's own
+    # distribution is the teacher there, with ce_weight the text's next token; docs/training.md)
+    supervised_tokens: Literal["replies", "all"] = "replies"
 
     @property
     def needs_teacher(self) -> bool:

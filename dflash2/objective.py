@@ -93,6 +93,12 @@ class ObjectiveOutput:
 # ------------------------------------------------------------------ anchors and blocks
 
 
+def supervised_mask(batch: dict[str, torch.Tensor], cfg: ObjectiveSection) -> torch.Tensor:
+    """[b, S] the tokens the loss supervises (objective.supervised_tokens): the batch's loss_mask (the
+    replies), or with "all" every real token (its attention_mask: the prompts too, not the padding)."""
+    return batch["attention_mask"] if cfg.supervised_tokens == "all" else batch["loss_mask"]
+
+
 def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
     """[b, S] -> bool [b, S]: a is a candidate iff loss_mask[a] = loss_mask[a + 1] = 1."""
     cand = torch.zeros_like(loss_mask, dtype=torch.bool)
@@ -559,7 +565,8 @@ def compute_objective(
     naive: bool = False,
     selector: nn.Module | None = None,
 ) -> ObjectiveOutput:
-    """batch: input_ids [b, S], loss_mask [b, S], features [b, S, K*H] (target hidden states).
+    """batch: input_ids [b, S], loss_mask and attention_mask [b, S], features [b, S, K*H] (target
+    hidden states).
 
     `draft` is called like the draft (a sharding wrapper may stand for it); `selector`: its candidate
     selector (default: `draft.candidate_selector`, none for v1). Everything else the objective needs is
@@ -567,7 +574,7 @@ def compute_objective(
     """
     input_ids = batch["input_ids"]
     if blocks is None:
-        blocks = plan_blocks(input_ids, batch["loss_mask"], cfg, generator, head.loss_vocab)
+        blocks = plan_blocks(input_ids, supervised_mask(batch, cfg), cfg, generator, head.loss_vocab)
     selector = selector if selector is not None else getattr(draft, "candidate_selector", None)
     block_ids = torch.full(
         (*blocks.anchors.shape, cfg.block_size), cfg.mask_token_id, device=input_ids.device

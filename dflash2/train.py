@@ -26,7 +26,7 @@ from dflash2.distributed import Backend
 from dflash2.export import export_draft
 from dflash2.faults import collective_section, stop_request, write_stop_marker
 from dflash2.models import TargetHead, build_draft
-from dflash2.objective import ObjectiveConfig, compute_objective, plan_blocks
+from dflash2.objective import ObjectiveConfig, compute_objective, plan_blocks, supervised_mask
 from dflash2.run_plan import RunPlan
 from dflash2.target.draft_init import init_from_target
 from dflash2.target.head import load_target_head, loss_vocabulary, target_num_parameters
@@ -120,15 +120,16 @@ def build_setup(plan: RunPlan, backend: Backend, features: FeatureSource | None 
 
 def restrict_loss_vocab(head: TargetHead, dataset, objective: ObjectiveConfig, is_main: bool) -> None:
     """Restrict the loss to the objective.loss_vocab_size tokens most frequent among the dataset's
-    supervised tokens (every rank counts the whole dataset, so all agree); one line on rank 0."""
+    supervised tokens (objective.supervised_tokens) (every rank counts the whole dataset, so all agree); one line on rank 0."""
     size = objective.loss_vocab_size
     if size >= head.vocab_size:
         raise ValueError(
             f"objective.loss_vocab_size={size} is not below the target's vocabulary ({head.vocab_size}); "
             "set a smaller one, or null for the whole vocabulary"
         )
+    every_token = objective.supervised_tokens == "all"
     labels = [
-        torch.tensor(ids)[torch.tensor(mask) > 0]
+        torch.tensor(ids)[torch.ones(len(ids), dtype=torch.bool) if every_token else torch.tensor(mask) > 0]
         for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"])
     ]
     ids = loss_vocabulary(labels, head.vocab_size, size)
@@ -184,7 +185,7 @@ def train_step(setup: Setup, step: StepBatch, timer: StepTimer) -> tuple[dict, d
     plans = [
         plan_blocks(
             b["input_ids"],
-            b["loss_mask"],
+            supervised_mask(b, setup.objective),
             setup.objective,
             anchor_generators(seed, step.epoch, idx),
             setup.head.loss_vocab,

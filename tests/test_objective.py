@@ -353,3 +353,24 @@ def test_insample_acceptance_equals_the_serving_proposal_per_block(architecture,
         assert ref["proposal"] != ref["unary"]  # the walk is not the argmax here
         assert logged["insample_accept_len_selector"] == pytest.approx(mean(ref["proposal"]), rel=1e-12)
         assert logged["insample_accept_len"] == pytest.approx(mean(ref["unary"]), rel=1e-12)
+
+
+@pytest.mark.parametrize("architecture", ["DFlashDraftModel", "DFlash2DraftModel"])
+def test_supervising_every_token_is_the_slow_reference_over_the_attention_mask(architecture):
+    # objective.supervised_tokens=all: the prompts are supervised too, the padding never; the reference
+    # is the slow per-block loop over a batch whose loss_mask is its attention_mask
+    draft, head, batch = random_draft(architecture, seed=6), random_head(), make_batch(2)
+    batch["attention_mask"] = torch.ones_like(batch["loss_mask"])
+    batch["attention_mask"][0, 15:] = 0  # padding at the end of row 0
+    cfg = ObjectiveConfig.for_draft(draft, num_anchors=6, loss_gamma=4.0, supervised_tokens="all")
+    out = compute_objective(draft, head, batch, cfg, torch.Generator().manual_seed(7))
+    every_token = {**batch, "loss_mask": batch["attention_mask"]}
+    anchors, valid = sample_anchors(every_token["loss_mask"], 6, torch.Generator().manual_seed(7))
+    assert int(anchors[valid].min()) < 2  # an anchor in row 1's prompt (its reply starts at 2)
+    ref = slow_reference(draft, head, every_token, cfg, anchors, valid)
+    torch.testing.assert_close(out.loss_sum.double(), ref["loss"], rtol=1e-5, atol=1e-5)
+    assert float(out.weight_sum) == pytest.approx(ref["weight"])
+    replies = compute_objective(
+        draft, head, batch, ObjectiveConfig.for_draft(draft, num_anchors=6, loss_gamma=4.0)
+    )
+    assert float(replies.weight_sum) < float(out.weight_sum)
