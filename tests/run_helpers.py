@@ -85,6 +85,7 @@ def load_script(script: str):
 
     spec = importlib.util.spec_from_file_location(Path(script).stem + "_cli", REPO / script)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # a dataclass of the script looks its module up there
     spec.loader.exec_module(module)
     return module
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
 import re
 import shlex
 import sys
@@ -20,6 +19,7 @@ from typing import Any
 import pytest
 
 from dflash2.config import load_run_config
+from tests.run_helpers import load_script
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), REPO / "launch" / "slurm" / "README.md"]
@@ -144,9 +144,7 @@ class _Captured(Exception):
 
 def _load_main(target: str) -> Callable[..., Any]:
     if target.endswith(".py"):
-        spec = importlib.util.spec_from_file_location(f"_doc_cli_{Path(target).stem}", REPO / target)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
+        module = load_script(target)
     else:
         module = importlib.import_module(target)
     return module.main
