@@ -120,7 +120,8 @@ def build_setup(plan: RunPlan, backend: Backend, features: FeatureSource | None 
 
 def restrict_loss_vocab(head: TargetHead, dataset, objective: ObjectiveConfig, is_main: bool) -> None:
     """Restrict the loss to the objective.loss_vocab_size tokens most frequent among the dataset's
-    supervised tokens (objective.supervised_tokens) (every rank counts the whole dataset, so all agree); one line on rank 0."""
+    supervised tokens (objective.supervised_tokens: the replies, or every token); every rank counts
+    the whole dataset, so all agree; one line on rank 0."""
     size = objective.loss_vocab_size
     if size >= head.vocab_size:
         raise ValueError(
@@ -129,7 +130,7 @@ def restrict_loss_vocab(head: TargetHead, dataset, objective: ObjectiveConfig, i
         )
     every_token = objective.supervised_tokens == "all"
     labels = [
-        torch.tensor(ids)[torch.ones(len(ids), dtype=torch.bool) if every_token else torch.tensor(mask) > 0]
+        torch.tensor(ids) if every_token else torch.tensor(ids)[torch.tensor(mask) > 0]
         for ids, mask in zip(dataset["input_ids"], dataset["loss_mask"])
     ]
     ids = loss_vocabulary(labels, head.vocab_size, size)
