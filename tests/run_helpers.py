@@ -47,6 +47,7 @@ def metrics(run_dir: Path) -> list[dict]:
 def tiny_subset(tiny_default, directory: Path, num_lines: int) -> Path:
     """The first lines of the tiny training set: enough for a few steps, quick to tokenize."""
     lines = tiny_default.train_jsonl.read_text().splitlines(keepends=True)[:num_lines]
+    directory.mkdir(parents=True, exist_ok=True)
     path = directory / "train.jsonl"
     path.write_text("".join(lines))
     return path

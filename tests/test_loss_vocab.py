@@ -12,7 +12,7 @@ from dflash2.data.prepare import prepare_dataset
 from dflash2.objective import ObjectiveConfig, compute_objective, plan_blocks, summarize_metrics
 from dflash2.target.head import loss_vocabulary
 from tests.draft_helpers import VOCAB, random_draft, random_features, random_head
-from tests.run_helpers import short_tiny_run, tiny_subset
+from tests.run_helpers import short_tiny_run
 from tests.test_objective import block_outputs, grads, make_batch
 
 SEQ = 18
@@ -120,8 +120,6 @@ def test_a_run_with_a_loss_vocabulary_trains_and_reports_its_coverage(tiny_defau
 
 def test_supervising_every_token_counts_the_prompts_in_the_loss_vocabulary(tiny_default, tmp_path):
     overrides = ("objective.loss_vocab_size=48", "objective.kl_weight=1.0", "objective.ce_weight=0")
-    for name in ("replies", "all", "count"):
-        (tmp_path / name).mkdir()
     replies, _ = short_tiny_run(tiny_default, tmp_path / "replies", *overrides, steps=2)
     every, steps = short_tiny_run(
         tiny_default, tmp_path / "all", *overrides, "objective.supervised_tokens=all", steps=2
@@ -131,7 +129,7 @@ def test_supervising_every_token_counts_the_prompts_in_the_loss_vocabulary(tiny_
         line = next(line for line in result.stdout.splitlines() if "loss vocabulary" in line)
         return int(line.split(" of the ")[1].split()[0])
 
-    data = tiny_subset(tiny_default, tmp_path / "count", 32)
+    data = tmp_path / "replies" / "train.jsonl"  # the lines both runs trained on
     tokenizer = AutoTokenizer.from_pretrained(str(tiny_default.target_dir))
     dataset, _ = prepare_dataset(data, tokenizer, max_length=96, quiet=True)
     assert supervised(every) == sum(map(len, dataset["input_ids"]))  # every token, prompts included
