@@ -103,11 +103,16 @@ class ObjectiveSection(_Section):
     # "all" = every token of each sequence, the prompts too (with kl_weight / tv_weight the target's own
     # distribution is the teacher there, with ce_weight the text's next token; docs/training.md)
     supervised_tokens: Literal["replies", "all"] = "replies"
+    # the token a slot counts as right (the cross-entropy's label, the selector's gold candidate, the
+    # accuracy and in-sample acceptance metrics): "data" = the sequence's next token; "target" = the
+    # target's own greedy token there (the argmax of its distribution, over the loss vocabulary when
+    # one is set), what greedy verification accepts, on prompts and text the target did not write too
+    labels: Literal["data", "target"] = "data"
 
     @property
     def needs_teacher(self) -> bool:
         """Whether the loss needs the target's distribution (its final-normed last hidden state)."""
-        return self.kl_weight > 0 or self.tv_weight > 0
+        return self.kl_weight > 0 or self.tv_weight > 0 or self.labels == "target"
 
     @model_validator(mode="after")
     def _check_loss_terms(self) -> ObjectiveSection:

@@ -53,6 +53,7 @@ class ObjectiveConfig(ObjectiveSection):
             self.distill_temperature,
             self.output_multiplier,
             self.softcap,
+            self.labels == "target",
         )
 
     @classmethod
@@ -325,6 +326,7 @@ class LossTerms:
     temperature: float
     multiplier: float
     cap: float | None
+    target_labels: bool = False  # each row's label is the teacher's argmax, not the one passed in
 
 
 @dataclass
@@ -337,6 +339,7 @@ class DistillSums:
     tv: torch.Tensor  # sum_r w_r TV(p_r, q_r)
     topk_ids: torch.Tensor  # [R, k] the draft's top-k (of its transformed logits)
     tv_rows: torch.Tensor  # [R] TV(p_r, q_r): 1 - the chance that lossless sampling accepts slot r
+    labels: torch.Tensor  # [R] the CE's labels: those passed in, or the teacher's argmax (target_labels)
 
 
 class _ChunkedDistill(torch.autograd.Function):
@@ -358,12 +361,12 @@ class _ChunkedDistill(torch.autograd.Function):
         need_grad = hidden.requires_grad
         grad = torch.zeros_like(hidden) if need_grad else None
         sums = hidden.new_zeros(4, dtype=torch.float32)  # loss, ce, kl, tv
-        topk_ids, tv_rows = [], []
+        topk_ids, tv_rows, label_rows = [], [], []
         buffers = hidden.new_empty((3, min(rows, hidden.shape[0]), weight.shape[0]), dtype=torch.float32)
         for start in range(0, hidden.shape[0], rows):
             sl = slice(start, start + rows)
             positions, inverse = torch.unique(teacher_index[sl], return_inverse=True)
-            chunk_sums, ids, tv = _chunk_distill(
+            chunk_sums, ids, tv, chunk_labels = _chunk_distill(
                 hidden[sl],
                 weight,
                 bias,
@@ -378,26 +381,30 @@ class _ChunkedDistill(torch.autograd.Function):
             sums += chunk_sums
             topk_ids.append(ids)
             tv_rows.append(tv)
+            label_rows.append(chunk_labels)
         ids = torch.cat(topk_ids) if topk_ids else labels.new_zeros((0, top_k))
         tv = torch.cat(tv_rows) if tv_rows else row_weights.new_zeros(0)
+        labels = torch.cat(label_rows) if label_rows else labels
         loss, parts = sums[0].clone(), sums[1:].clone()
-        ctx.mark_non_differentiable(parts, ids, tv)
+        ctx.mark_non_differentiable(parts, ids, tv, labels)
         ctx.save_for_backward(grad)
-        return loss, parts, ids, tv
+        return loss, parts, ids, tv, labels
 
     @staticmethod
-    def backward(ctx, grad_loss, _grad_parts, _grad_ids, _grad_tv):
+    def backward(ctx, grad_loss, _grad_parts, _grad_ids, _grad_tv, _grad_labels):
         (grad,) = ctx.saved_tensors
         return grad * grad_loss, *([None] * 9)
 
 
 def _teacher_probs(teacher, weight, bias, temperature, neg_p_out, work, with_entropy):
     """-p = -softmax((s W^T + b) / T) of the chunk's distinct teacher states, gathered to its rows into
-    `neg_p_out` [r, V] (negated: the caller adds q to it in one pass); returns sum_j p_j log p_j per
-    row [r] when `with_entropy` (else None). `teacher` = (states [u, H], inverse [r]: each row's index
-    among them); `work` [r, V] is scratch (u <= r)."""
+    `neg_p_out` [r, V] (negated: the caller adds q to it in one pass); returns (sum_j p_j log p_j per
+    row [r] when `with_entropy`, else None; the argmax of p per row [r], the target's greedy token).
+    `teacher` = (states [u, H], inverse [r]: each row's index among them); `work` [r, V] is scratch
+    (u <= r)."""
     states, inverse = teacher
     t = _head_logits(states, weight, bias, out=neg_p_out[: len(states)])  # dead before neg_p_out is written
+    greedy = t.argmax(dim=-1)[inverse]
     if temperature != 1.0:
         t.div_(temperature)
     t.sub_(t.amax(dim=-1, keepdim=True))  # t - max: log p + log total
@@ -408,13 +415,13 @@ def _teacher_probs(teacher, weight, bias, temperature, neg_p_out, work, with_ent
         neg_entropy = (t.mul_(e).sum(dim=-1) / total - total.log())[inverse]
     del t
     torch.index_select(e.div_(total.neg()[:, None]), 0, inverse, out=neg_p_out)
-    return neg_entropy
+    return neg_entropy, greedy
 
 
 def _chunk_distill(
     hidden, weight, bias, labels, row_weights, teacher, terms: LossTerms, top_k, buffers, grad_out
 ):
-    """One chunk of _ChunkedDistill: (sums [4] = loss, ce, kl, tv; top-k ids; TV per row).
+    """One chunk of _ChunkedDistill: (sums [4] = loss, ce, kl, tv; top-k ids; TV per row; labels).
 
     KL(p || q) = sum p log p - sum p u + logsumexp(u); d/du: q - p. TV = 0.5 sum |p - q|;
     d/du_i = q_i (s_i - sum_j q_j s_j) with s = 0.5 sign(q - p). CE: d/du = q - one_hot(y).
@@ -424,10 +431,11 @@ def _chunk_distill(
     u, du_dz = _transformed_logits(
         hidden, weight, bias, terms.multiplier, terms.cap, grad_out is not None, out=logits
     )
-    gold = u.gather(1, labels[:, None])[:, 0]
     top = torch.topk(u, top_k, dim=-1)
     ids, row_max = top.indices, top.values[:, 0]
-    neg_entropy = _teacher_probs(teacher, weight, bias, terms.temperature, neg_p, work, kl_w > 0)
+    neg_entropy, greedy = _teacher_probs(teacher, weight, bias, terms.temperature, neg_p, work, kl_w > 0)
+    labels = greedy if terms.target_labels else labels
+    gold = u.gather(1, labels[:, None])[:, 0]
     if kl_w:  # KL's value costs two passes over [r, V]: only when it is in the loss
         p_dot_u = -torch.mul(neg_p, u, out=work).sum(dim=-1)  # before u turns into exp(u - max)
     exp_u = u.sub_(row_max[:, None]).exp_()  # q = exp_u / total, never written out
@@ -455,7 +463,7 @@ def _chunk_distill(
         if ce_w:
             d.scatter_add_(1, labels[:, None], -(w * ce_w)[:, None])
         _grad_to_hidden(d, du_dz, terms.multiplier, weight, grad_out)
-    return torch.cat([loss[None], parts]), ids, tv
+    return torch.cat([loss[None], parts]), ids, tv, labels
 
 
 def distill_loss(
@@ -464,7 +472,7 @@ def distill_loss(
     """hidden [R, H] draft rows, teacher_states [P, H] the target's final-normed last hidden states,
     teacher_index [R] each row's teacher position in them -> DistillSums. A chunk holds a third of
     `chunk_rows` rows: its three [rows, V] buffers take what one cross-entropy chunk does."""
-    loss, parts, ids, tv = _ChunkedDistill.apply(
+    loss, parts, ids, tv, labels = _ChunkedDistill.apply(
         hidden,
         head.lm_head_weight,
         head.lm_head_bias,
@@ -476,7 +484,7 @@ def distill_loss(
         max(1, chunk_rows // 3),
         top_k,
     )
-    return DistillSums(loss, parts[0], parts[1], parts[2], ids, tv)
+    return DistillSums(loss, parts[0], parts[1], parts[2], ids, tv, labels)
 
 
 # ------------------------------------------------------------------ selector loss
@@ -585,7 +593,8 @@ def compute_objective(
 
     rows, slot = _slot_rows(blocks.weights, cfg.block_size)
     h, y, w = hidden[rows], blocks.labels[rows], blocks.weights[rows]
-    base_sum, topk_ids, metrics = _block_loss(h, y, w, rows, blocks, batch, head, cfg, naive)
+    # y: the data's next tokens, or (objective.labels=target) the target's greedy tokens from here on
+    base_sum, topk_ids, y, metrics = _block_loss(h, y, w, rows, blocks, batch, head, cfg, naive)
     unary_correct = topk_ids[:, 0] == y
     metrics.update(_slot_metrics(slot, cfg.block_size, topk_ids, y, w))
     metrics["base_loss_sum"] = base_sum.detach()
@@ -594,7 +603,7 @@ def compute_objective(
     metrics["accept_len_max_sum"] = acceptance_length_sum(rows, torch.ones_like(unary_correct), blocks.valid)
     sel_sum = None
     if selector is not None:
-        sel_sum, sel_metrics = _selector_term(selector, h, head, topk_ids, blocks, rows, slot, cfg)
+        sel_sum, sel_metrics = _selector_term(selector, h, head, topk_ids, y, blocks, rows, slot, cfg)
         metrics.update(sel_metrics)
     loss_sum = total_loss(base_sum, sel_sum, cfg.selector_loss_alpha)
     return ObjectiveOutput(loss_sum=loss_sum, weight_sum=blocks.weights.sum(), metrics=metrics)
@@ -608,9 +617,12 @@ def _slot_rows(weights: torch.Tensor, block_size: int) -> tuple[torch.Tensor, to
     return rows, slot
 
 
-def _selector_term(selector, h, head: TargetHead, topk_ids, blocks: Blocks, rows, slot, cfg: ObjectiveConfig):
-    """The selector's weighted CE sum over the supervised rows and its metric sums."""
-    y, w, pred = blocks.labels[rows], blocks.weights[rows], blocks.predecessors[rows]
+def _selector_term(
+    selector, h, head: TargetHead, topk_ids, y, blocks: Blocks, rows, slot, cfg: ObjectiveConfig
+):
+    """The selector's weighted CE sum over the supervised rows (labels y [R]) and its metric sums. The
+    predecessors are the data's tokens (teacher forcing), whatever the labels."""
+    w, pred = blocks.weights[rows], blocks.predecessors[rows]
     scores, gold_index, in_topk = selector_scores(
         selector, h, head, topk_ids, y, pred, cfg.output_multiplier, cfg.softcap, cfg.selector_mode
     )
@@ -641,15 +653,18 @@ def total_loss(base, selector, alpha: float, weight_sum: float | None = None):
 
 def _block_loss(h, y, w, rows, blocks: Blocks, batch, head: TargetHead, cfg: ObjectiveConfig, naive: bool):
     """The weighted loss sum before the selector term over the supervised rows (h [R, H], labels y,
-    weights w), the draft's top-k ids [R, k] and the metric sums of its terms. Without KL or TV
-    weight it is the chunked CE alone (the teacher is neither needed nor read). With the head's loss
-    vocabulary every term (the teacher's softmax included) runs over its K tokens only: the labels
+    weights w), the draft's top-k ids [R, k], the labels it used [R] (y, or the target's greedy
+    tokens with objective.labels=target) and the metric sums of its terms. Without a teacher it is
+    the chunked CE alone (the teacher is neither needed nor read). With the head's loss vocabulary
+    every term (the teacher's softmax and argmax included) runs over its K tokens only: the labels
     (all inside it, plan_blocks) and the top-k ids are mapped to and from its indices."""
     vocab = head.loss_vocab
     if vocab is not None:
         head, y = vocab.head, vocab.index[y]
-    base_sum, topk_ids, metrics = _vocab_block_loss(h, y, w, rows, blocks, batch, head, cfg, naive)
-    return base_sum, (topk_ids if vocab is None else vocab.token_ids[topk_ids]), metrics
+    base_sum, topk_ids, y, metrics = _vocab_block_loss(h, y, w, rows, blocks, batch, head, cfg, naive)
+    if vocab is None:
+        return base_sum, topk_ids, y, metrics
+    return base_sum, vocab.token_ids[topk_ids], vocab.token_ids[y], metrics
 
 
 def _vocab_block_loss(h, y, w, rows, blocks: Blocks, batch, head: TargetHead, cfg: ObjectiveConfig, naive):
@@ -670,7 +685,7 @@ def _vocab_block_loss(h, y, w, rows, blocks: Blocks, batch, head: TargetHead, cf
             cfg.logits_chunk_rows,
             top_k,
         )
-        base_sum, topk_ids = teacher.loss, teacher.topk_ids
+        base_sum, topk_ids, y = teacher.loss, teacher.topk_ids, teacher.labels
         metrics.update(ce_loss_sum=teacher.ce, tv_loss_sum=teacher.tv)
         if cfg.kl_weight > 0:
             metrics["kl_loss_sum"] = teacher.kl
@@ -684,7 +699,7 @@ def _vocab_block_loss(h, y, w, rows, blocks: Blocks, batch, head: TargetHead, cf
         base_sum = ce_sum if cfg.ce_weight == 1.0 else cfg.ce_weight * ce_sum
         metrics["ce_loss_sum"] = ce_sum.detach()
 
-    return base_sum, topk_ids, metrics
+    return base_sum, topk_ids, y, metrics
 
 
 def acceptance_length_sum(rows: torch.Tensor, correct: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

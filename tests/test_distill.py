@@ -18,8 +18,8 @@ from dflash2.objective import (
     summarize_metrics,
 )
 from tests.draft_helpers import HIDDEN, VOCAB, random_draft, random_features, random_head
-from tests.run_helpers import check_ok, launch_train, metrics, tiny_subset
-from tests.test_objective import block_outputs, grads, make_batch
+from tests.run_helpers import check_ok, launch_train, metrics, short_tiny_run, tiny_subset
+from tests.test_objective import block_outputs, check_logged_losses, grads, make_batch, slow_reference
 
 SEQ = 18
 
@@ -169,6 +169,68 @@ def test_objective_with_kl_and_tv_matches_a_per_block_loop():
     assert logged["loss"] == pytest.approx(recombined, rel=1e-6)
     for name, want in grads(draft).items():
         torch.testing.assert_close(got[name], want, rtol=1e-4, atol=2e-5 * float(want.abs().max()), msg=name)
+
+
+def target_greedy(batch, head) -> torch.Tensor:
+    """[b, S]: at position j the target's argmax after position j - 1 (float64; position 0: -1)."""
+    logits = batch["target_last_hidden"].double() @ head.lm_head_weight.double().T
+    greedy = torch.full_like(batch["input_ids"], -1)
+    greedy[:, 1:] = logits[:, :-1].argmax(-1)
+    return greedy
+
+
+@pytest.mark.parametrize("architecture", ["DFlashDraftModel", "DFlash2DraftModel"])
+def test_target_labels_are_the_targets_greedy_tokens(architecture):
+    # objective.labels=target: the cross-entropy, the selector's gold candidate and the accuracy read the
+    # target's argmax at each position instead of the data's token; the predecessors stay the data's
+    v2 = architecture == "DFlash2DraftModel"
+    transforms = dict(output_multiplier=1.3, final_logit_softcapping=8.0) if v2 else {}
+    draft, head, batch = random_draft(architecture, seed=3, **transforms), random_head(), make_batch()
+    batch["target_last_hidden"] = random_features(SEQ, batch=2, seed=7, num_layers=1)
+    cfg = ObjectiveConfig.for_draft(
+        draft, num_anchors=5, selector_loss_alpha=0.7, logits_chunk_rows=3, labels="target"
+    )
+    assert cfg.needs_teacher and cfg.kl_weight == 0  # the labels alone need the target's last hidden state
+    out = compute_objective(draft, head, batch, cfg, torch.Generator().manual_seed(5))
+    out.loss_sum.backward()
+    got = grads(draft)
+    draft.zero_grad()
+    anchors, valid = sample_anchors(batch["loss_mask"], 5, torch.Generator().manual_seed(5))
+    greedy = target_greedy(batch, head)
+    supervised = batch["loss_mask"].bool()
+    assert not torch.equal(greedy[supervised], batch["input_ids"][supervised])  # they differ: a real test
+    ref = slow_reference(draft, head, batch, cfg, anchors, valid, labels=greedy)
+    ref["loss"].backward()
+    torch.testing.assert_close(out.loss_sum.double(), ref["loss"], rtol=1e-5, atol=1e-5)
+    check_logged_losses(summarize_metrics(out.metrics, cfg.selector_loss_alpha), ref, cfg)
+    for name, want in grads(draft).items():
+        torch.testing.assert_close(got[name], want, rtol=1e-4, atol=2e-5 * float(want.abs().max()), msg=name)
+    # the accuracy counts the draft's argmax against the target's greedy token
+    correct = [
+        int(head.logits(out_k[None])[0].argmax() == greedy[b, a + k])
+        for b, a, block in block_outputs(draft, head, batch, cfg, anchors, valid)
+        for k, out_k in enumerate(block)
+        if 0 < k and a + k < SEQ and batch["loss_mask"][b, a + k]
+    ]
+    assert float(out.metrics["slot_correct"].sum()) == sum(correct)
+    data_labels = compute_objective(
+        draft,
+        head,
+        batch,
+        ObjectiveConfig.for_draft(draft, num_anchors=5, selector_loss_alpha=0.7),
+        torch.Generator().manual_seed(5),
+    )
+    assert float(data_labels.loss_sum.detach()) != pytest.approx(float(out.loss_sum.detach()), rel=1e-3)
+
+
+def test_a_run_with_the_targets_labels_alone_captures_its_last_hidden_state(tiny_default, tmp_path):
+    # objective.labels=target with the cross-entropy alone (no KL / TV): online capture still hooks the
+    # target's final norm, whose output the labels come from, and the run learns them
+    _, steps = short_tiny_run(tiny_default, tmp_path / "target", "objective.labels=target")
+    assert all(math.isfinite(m["loss"]) for m in steps) and "kl_loss" not in steps[0]
+    assert sum(m["loss"] for m in steps[-2:]) < sum(m["loss"] for m in steps[:2])
+    _, data = short_tiny_run(tiny_default, tmp_path / "data", steps=1)  # the same first step, data labels
+    assert steps[0]["ce_loss"] != pytest.approx(data[0]["ce_loss"], rel=1e-4)  # other labels were read
 
 
 def test_the_default_objective_never_reads_a_teacher_and_logs_ce_loss():

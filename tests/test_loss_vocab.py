@@ -49,8 +49,9 @@ def test_slots_whose_label_is_outside_the_vocabulary_are_not_supervised():
 
 def slow_vocab_objective(draft, head, ids, batch, cfg, anchors, valid):
     """Each block alone, each supervised slot's CE and KL over the vocabulary's rows only: the draft's
-    softmax and the teacher's over them, the label's index among them. Also, per slot, whether the
-    label is the draft's argmax and whether it is in its top-k."""
+    softmax and the teacher's over them, the label's index among them (the data's token, or with
+    objective.labels=target the teacher's argmax over those rows). Also, per slot, whether the label
+    is the draft's argmax, whether it is in its top-k and whether it is not the data's token."""
     sub = head.lm_head_weight[ids].double()
     local = {int(t): i for i, t in enumerate(ids)}
     tokens, mask, last = batch["input_ids"], batch["loss_mask"], batch["target_last_hidden"]
@@ -62,20 +63,23 @@ def slow_vocab_objective(draft, head, ids, batch, cfg, anchors, valid):
             label, w = int(tokens[b, a + k]), math.exp(-(k - 1) / cfg.loss_gamma)
             log_q = torch.log_softmax(out[k].double() @ sub.T, 0)
             log_p = torch.log_softmax(last[b, a + k - 1].double() @ sub.T, 0)
+            if cfg.labels == "target":
+                label = int(ids[log_p.argmax()])
             kl = (log_p.exp() * (log_p - log_q)).sum()
             loss = loss + w * (cfg.ce_weight * -log_q[local[label]] + cfg.kl_weight * kl)
             weight += w
             top = ids[log_q.topk(cfg.top_k).indices]  # as ids of the whole vocabulary
-            picks.append((k, int(top[0]) == label, label in top.tolist()))
+            picks.append((k, int(top[0]) == label, label in top.tolist(), label != int(tokens[b, a + k])))
     return loss, weight, picks
 
 
-def test_the_objective_over_a_vocabulary_matches_a_per_block_loop():
+@pytest.mark.parametrize("labels", ["data", "target"])
+def test_the_objective_over_a_vocabulary_matches_a_per_block_loop(labels):
     draft, batch = random_draft(seed=4), make_batch(1)
     batch["target_last_hidden"] = random_features(SEQ, batch=2, seed=7, num_layers=1)
     ids = torch.randperm(200, generator=torch.Generator().manual_seed(3))[:150].sort().values  # labels < 200
     head = vocab_head(ids)
-    settings = dict(ce_weight=0.4, kl_weight=1.0, loss_gamma=3.0, selector_loss_alpha=0.0)
+    settings = dict(ce_weight=0.4, kl_weight=1.0, loss_gamma=3.0, selector_loss_alpha=0.0, labels=labels)
     cfg = ObjectiveConfig.for_draft(
         draft, num_anchors=4, logits_chunk_rows=5, loss_vocab_size=150, **settings
     )
@@ -96,7 +100,7 @@ def test_the_objective_over_a_vocabulary_matches_a_per_block_loop():
     for metric, column in (("slot_correct", 1), ("slot_topk_hit", 2)):
         per_slot = [sum(p[column] for p in picks if p[0] == slot) for slot in range(1, cfg.block_size)]
         assert out.metrics[metric].tolist() == per_slot, metric
-    assert sum(p[2] for p in picks) > 0
+    assert sum(p[2 if labels == "data" else 3] for p in picks) > 0  # some hits; some labels not the data's
     assert summarize_metrics(out.metrics, 0.0)["loss"] == pytest.approx(
         float(loss.detach()) / weight, rel=1e-5
     )

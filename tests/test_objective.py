@@ -45,9 +45,11 @@ def block_outputs(draft, head, batch, cfg, anchors, valid):
             yield b, a, draft(head.embed(block)[:, None], feats[b : b + 1, :a], torch.tensor([[a]]))[0, 0]
 
 
-def slow_reference(draft, head, batch, cfg, anchors, valid):
-    """Python loop: one block at a time, each against exactly its own prefix of the context."""
+def slow_reference(draft, head, batch, cfg, anchors, valid, labels=None):
+    """Python loop: one block at a time, each against exactly its own prefix of the context. `labels`
+    [b, S]: the token each position counts as right (default: the data's own, input_ids)."""
     ids, mask = batch["input_ids"], batch["loss_mask"]
+    labels = ids if labels is None else labels
     B = cfg.block_size
     mult = draft.config.dflash_config.get("output_multiplier") or 1.0
     cap = draft.config.dflash_config.get("final_logit_softcapping")
@@ -63,7 +65,7 @@ def slow_reference(draft, head, batch, cfg, anchors, valid):
             u = head.logits(out[k]).double() * mult
             if cap:
                 u = cap * torch.tanh(u / cap)
-            gold = int(ids[b, a + k])
+            gold = int(labels[b, a + k])
             base = base + w * (torch.logsumexp(u, 0) - u[gold])
             if selector is None:
                 continue

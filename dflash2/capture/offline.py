@@ -233,9 +233,10 @@ class OfflineFeatures:
         if last_hidden and "last_hidden_dim" not in self.manifest:
             raise ValueError(
                 f"data.features_dir={str(self.features_dir)!r} was captured without the target's last hidden "
-                "state, which objective.kl_weight / objective.tv_weight need (the teacher distribution); "
-                f"recapture: data_prep/capture.py --config <this run's config> --out {self.features_dir} "
-                "(or train these features with objective.kl_weight=0 and objective.tv_weight=0)"
+                "state, which objective.kl_weight / objective.tv_weight / objective.labels=target need (the "
+                "target's distribution); recapture: data_prep/capture.py --config <this run's config> --out "
+                f"{self.features_dir} (or train these features with objective.kl_weight=0, "
+                "objective.tv_weight=0 and objective.labels=data)"
             )
         self._files: dict[int, object] = {}  # shard index -> open safetensors handle (memory-mapped)
 

@@ -24,7 +24,8 @@ def final_norm(model: nn.Module) -> nn.Module:
     if not isinstance(norm, nn.Module):
         raise ValueError(
             f"{type(model).__name__}'s text decoder has no final `norm` module, whose output the KL / TV "
-            "loss terms need; set objective.kl_weight=0 and objective.tv_weight=0 for this target"
+            "loss terms and the target's labels need; set objective.kl_weight=0, objective.tv_weight=0 "
+            "and objective.labels=data for this target"
         )
     return norm
 
