@@ -116,7 +116,7 @@ class ObjectiveSection(_Section):
 
     @model_validator(mode="after")
     def _check_loss_terms(self) -> ObjectiveSection:
-        if self.ce_weight == 0 and not self.needs_teacher:
+        if self.ce_weight == 0 and self.kl_weight == 0 and self.tv_weight == 0:
             raise ValueError(
                 "objective.ce_weight, kl_weight and tv_weight are all 0: no loss to train; set at least one > 0"
             )

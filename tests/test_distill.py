@@ -257,6 +257,8 @@ def test_conflicting_or_empty_loss_settings_name_the_fix():
         ObjectiveSection(loss_gamma=2.0, position_weighting="uniform")
     with pytest.raises(ValueError, match="set at least one > 0"):
         ObjectiveSection(ce_weight=0.0)
+    with pytest.raises(ValueError, match="set at least one > 0"):  # labels alone are no loss
+        ObjectiveSection(ce_weight=0.0, labels="target")
 
 
 # ---- real runs: both backends in 2 processes, and the disaggregated wire -------------------------
