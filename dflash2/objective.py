@@ -396,15 +396,15 @@ class _ChunkedDistill(torch.autograd.Function):
         return grad * grad_loss, *([None] * 9)
 
 
-def _teacher_probs(teacher, weight, bias, temperature, neg_p_out, work, with_entropy):
+def _teacher_probs(teacher, weight, bias, temperature, neg_p_out, work, with_entropy, with_argmax):
     """-p = -softmax((s W^T + b) / T) of the chunk's distinct teacher states, gathered to its rows into
     `neg_p_out` [r, V] (negated: the caller adds q to it in one pass); returns (sum_j p_j log p_j per
-    row [r] when `with_entropy`, else None; the argmax of p per row [r], the target's greedy token).
-    `teacher` = (states [u, H], inverse [r]: each row's index among them); `work` [r, V] is scratch
-    (u <= r)."""
+    row [r] when `with_entropy`, else None; the argmax of p per row [r], the target's greedy token,
+    when `with_argmax`, else None). `teacher` = (states [u, H], inverse [r]: each row's index among
+    them); `work` [r, V] is scratch (u <= r)."""
     states, inverse = teacher
     t = _head_logits(states, weight, bias, out=neg_p_out[: len(states)])  # dead before neg_p_out is written
-    greedy = t.argmax(dim=-1)[inverse]
+    greedy = t.argmax(dim=-1)[inverse] if with_argmax else None
     if temperature != 1.0:
         t.div_(temperature)
     t.sub_(t.amax(dim=-1, keepdim=True))  # t - max: log p + log total
@@ -433,8 +433,10 @@ def _chunk_distill(
     )
     top = torch.topk(u, top_k, dim=-1)
     ids, row_max = top.indices, top.values[:, 0]
-    neg_entropy, greedy = _teacher_probs(teacher, weight, bias, terms.temperature, neg_p, work, kl_w > 0)
-    labels = greedy if terms.target_labels else labels
+    neg_entropy, greedy = _teacher_probs(
+        teacher, weight, bias, terms.temperature, neg_p, work, kl_w > 0, terms.target_labels
+    )
+    labels = labels if greedy is None else greedy
     gold = u.gather(1, labels[:, None])[:, 0]
     if kl_w:  # KL's value costs two passes over [r, V]: only when it is in the loss
         p_dot_u = -torch.mul(neg_p, u, out=work).sum(dim=-1)  # before u turns into exp(u - max)
