@@ -128,10 +128,30 @@ RUN_CONTRACT_KEYS = {
     "tv_weight": "objective.tv_weight",
     "distill_temperature": "objective.distill_temperature",
     "num_anchors": "objective.num_anchors",
+    "supervised_tokens": "objective.supervised_tokens",
+    "labels": "objective.labels",
+    "loss_vocab_size": "objective.loss_vocab_size",
     # the rendering of the same data (e.g. the thinking mode)
     "chat_template_kwargs": "data.chat_template_kwargs",
     "global_batch_size": "train.global_batch_size",
     "seed": "seed",
+}
+
+
+# Fields that joined the contract after checkpoints had been written without them, with the value the
+# code that wrote those checkpoints behaved as (each key's default, then and now). A saved contract that
+# lacks one reads as that value: an older checkpoint resumes under the default and is refused, with the
+# override that restores it, under any other value.
+CONTRACT_FIELDS_ADDED = {
+    "ce_weight": 1.0,
+    "kl_weight": 0.0,
+    "tv_weight": 0.0,
+    "distill_temperature": 1.0,
+    "position_weighting": "gamma",
+    "position_decay": 0.8,
+    "supervised_tokens": "replies",
+    "labels": "data",
+    "loss_vocab_size": None,
 }
 
 
@@ -159,6 +179,7 @@ def validate_contract(saved: dict, new: dict) -> None:
     """Raise ValueError listing every field whose saved and new values differ (or that one side lacks);
     the fields a run config key sets come with the override that resumes (`train.global_batch_size=16`)."""
     saved, new = _as_json(saved), _as_json(new)
+    saved = {**{f: v for f, v in CONTRACT_FIELDS_ADDED.items() if f in new and f not in saved}, **saved}
 
     def show(contract: dict, field: str) -> str:
         return repr(contract[field]) if field in contract else "<absent>"

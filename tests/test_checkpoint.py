@@ -450,3 +450,23 @@ def test_contract_mismatch_names_the_overrides_that_resume():
     assert (
         "To resume, add these overrides: 'data.chat_template_kwargs={}' train.global_batch_size=16" in lines
     )
+
+
+def test_a_contract_from_before_a_field_joined_it_reads_as_its_default():
+    """A checkpoint written before objective.labels (and the other later fields) were in the contract
+    resumes under their defaults, and is refused, with the override that restores it, otherwise."""
+    from dflash2.checkpoint import CONTRACT_FIELDS_ADDED, RUN_CONTRACT_KEYS
+    from dflash2.config import ObjectiveSection
+
+    for field, before in CONTRACT_FIELDS_ADDED.items():
+        section, key = RUN_CONTRACT_KEYS[field].split(".")
+        assert section == "objective"
+        assert getattr(ObjectiveSection(), key) == before, field  # the default today is what older code did
+    new = {**CONTRACT, **CONTRACT_FIELDS_ADDED}
+    old = CONTRACT
+    validate_contract(old, new)
+    with pytest.raises(ValueError) as err:
+        validate_contract(old, {**new, "labels": "target", "kl_weight": 1.0})
+    lines = str(err.value).splitlines()
+    assert "  labels: saved 'data', new 'target'" in lines
+    assert "To resume, add these overrides: objective.kl_weight=0.0 objective.labels=data" in lines
