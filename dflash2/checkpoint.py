@@ -138,10 +138,10 @@ RUN_CONTRACT_KEYS = {
 }
 
 
-# Fields that joined the contract after checkpoints had been written without them, with the value the
-# code that wrote those checkpoints behaved as (each key's default, then and now). A saved contract that
-# lacks one reads as that value: an older checkpoint resumes under the default and is refused, with the
-# override that restores it, under any other value.
+# Fields that joined the contract with their config key (a few minutes apart, in one change), with
+# the value every checkpoint written before behaved as: a saved contract that lacks one reads as that
+# value, so an older checkpoint resumes under it and is refused, with the override that restores it,
+# under any other value.
 CONTRACT_FIELDS_ADDED = {
     "ce_weight": 1.0,
     "kl_weight": 0.0,
@@ -149,10 +149,10 @@ CONTRACT_FIELDS_ADDED = {
     "distill_temperature": 1.0,
     "position_weighting": "gamma",
     "position_decay": 0.8,
-    "supervised_tokens": "replies",
-    "labels": "data",
-    "loss_vocab_size": None,
 }
+# Fields whose config key existed before it joined the contract: what a checkpoint without one was
+# trained with is not recorded (any value was possible), so an absent field is not compared.
+CONTRACT_FIELDS_UNRECORDED = ("supervised_tokens", "labels", "loss_vocab_size")
 
 
 def run_contract(cfg: RunConfig, identity: RunIdentity, global_batch_size: int) -> dict[str, Any]:
@@ -179,7 +179,9 @@ def validate_contract(saved: dict, new: dict) -> None:
     """Raise ValueError listing every field whose saved and new values differ (or that one side lacks);
     the fields a run config key sets come with the override that resumes (`train.global_batch_size=16`)."""
     saved, new = _as_json(saved), _as_json(new)
-    saved = {**{f: v for f, v in CONTRACT_FIELDS_ADDED.items() if f in new and f not in saved}, **saved}
+    older = {f: v for f, v in CONTRACT_FIELDS_ADDED.items() if f in new and f not in saved}
+    unrecorded = {f: new[f] for f in CONTRACT_FIELDS_UNRECORDED if f in new and f not in saved}
+    saved = {**older, **unrecorded, **saved}
 
     def show(contract: dict, field: str) -> str:
         return repr(contract[field]) if field in contract else "<absent>"
