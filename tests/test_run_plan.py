@@ -23,7 +23,7 @@ COMMON = {
     "num_anchors": 16, "num_draft_layers": 2, "position_decay": 0.8, "position_weighting": "gamma",
     "seed": 0, "selector_loss_alpha": 1.0, "selector_mode": "insert", "sliding_window": 2048,
     "target_layer_ids": [1, 3, 4], "tv_weight": 0.0, "final_logit_softcapping": None,
-    # joined the contract later, at the values those runs trained with (checkpoint.CONTRACT_FIELDS_ADDED)
+    # joined the contract later (checkpoint.CONTRACT_FIELDS_UNRECORDED), at the values these runs train with
     "labels": "data", "loss_vocab_size": None, "supervised_tokens": "replies",
 }  # fmt: skip
 FROZEN = {
