@@ -56,9 +56,12 @@ def _local_generator(args: argparse.Namespace) -> LocalTargetGenerator:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from dflash2.hardware import warn_if_slow_bf16
+
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
     model = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
+    warn_if_slow_bf16(torch.device(device), model.dtype)
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     return LocalTargetGenerator(model, tokenizer, args.max_new_tokens, args.chat_template_kwargs)
 

@@ -29,6 +29,7 @@ from dflash2.data.render import encode_prompt, stop_token_ids
 from dflash2.decode import Clock, GenerationResult, TargetResult, speculative_generate, timed_target_generate
 from dflash2.errors import add_debug_flag, run_main
 from dflash2.export import TRAINING_RUN_NAME, read_training_run
+from dflash2.hardware import warn_if_slow_bf16
 from dflash2.models import TargetHead, load_draft
 from dflash2.models.draft import DFlashDraftModel
 from dflash2.target.state import use_decoding_layout
@@ -367,6 +368,7 @@ def evaluate(
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
     chat_template_kwargs, step, notes = run_settings(draft_dir, chat_template_kwargs)
     torch.manual_seed(seed)
+    warn_if_slow_bf16(torch.device(device), torch_dtype(precision))
     draft, target, head, tokenizer = load_models(draft_dir, target_dir, device, torch_dtype(precision))
     prompts = [
         encode_prompt(m, tokenizer, chat_template_kwargs) for m in read_prompts(data_jsonl, num_prompts)

@@ -31,6 +31,7 @@ from dflash2.data.loader import step_batches
 from dflash2.data.prepare import build_dataset
 from dflash2.distributed import Backend, backend_class, init_distributed, shutdown_distributed
 from dflash2.faults import collective_section, collective_timeout, stop_request
+from dflash2.hardware import warn_if_slow_bf16
 from dflash2.run_plan import RunPlan, resolve_run
 from dflash2.train import build_setup, fit
 
@@ -92,6 +93,7 @@ def run_offline_capture(cfg: RunConfig, out_dir: str | Path, *, batch_size: int,
     init_distributed(cfg.backend)
     plan = resolve_run(cfg)
     backend = run_backend(cfg)
+    warn_if_slow_bf16(backend.device, cfg.target_torch_dtype, is_main=backend.is_main)
     dataset = build_dataset(cfg.data, plan.tokenizer, backend.is_main)
     target = backend.load_target(cfg.model.target, cfg.target_torch_dtype)
     out = capture_to_dir(

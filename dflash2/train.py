@@ -25,6 +25,7 @@ from dflash2.data.prepare import build_dataset
 from dflash2.distributed import Backend
 from dflash2.export import export_draft
 from dflash2.faults import collective_section, stop_request, write_stop_marker
+from dflash2.hardware import warn_if_slow_bf16
 from dflash2.models import TargetHead, build_draft
 from dflash2.objective import ObjectiveConfig, compute_objective, plan_blocks, supervised_mask
 from dflash2.run_plan import RunPlan
@@ -101,6 +102,9 @@ def build_setup(plan: RunPlan, backend: Backend, features: FeatureSource | None 
     """`features`: where the step gets features (offline features, the capture ranks' receiver),
     chosen by dflash2.run; None: the step runs the target itself (online capture)."""
     cfg = plan.config
+    warn_if_slow_bf16(
+        backend.device, torch_dtype(cfg.precision), cfg.target_torch_dtype, is_main=backend.is_main
+    )
     torch.manual_seed(cfg.seed)
     draft = build_draft(plan.draft_source)
     draft_config = draft.config.to_dict()

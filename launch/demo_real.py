@@ -19,6 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import torch
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "launch"))
@@ -29,6 +31,7 @@ from dflash2.config import torch_dtype  # noqa: E402
 from dflash2.data.real_prompts import build_real_prompts  # noqa: E402
 from dflash2.draft_config import DraftChoices, build_draft_config  # noqa: E402
 from dflash2.fixtures.smollm2 import build_smollm2  # noqa: E402
+from dflash2.hardware import default_precision  # noqa: E402
 from dflash2.models.config import DFLASH, DFLASH2  # noqa: E402
 
 CONFIGS = {"dflash": "configs/smollm2-dflash.yaml", "dflash2": "configs/smollm2-dflash2.yaml"}
@@ -105,10 +108,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=1500, help="optimizer steps per draft (equal budget)")
     parser.add_argument(
         "--precision",
-        choices=("bf16", "fp32"),
-        default="bf16",
-        help="of the target in every stage and of the drafts' compute (bf16: what a server runs); the "
-        "serving gate always runs in fp32, where speculative decoding must equal the target exactly",
+        choices=("auto", "bf16", "fp32"),
+        default="auto",
+        help="of the target in every stage and of the drafts' compute (bf16: what a server runs); auto: "
+        "bf16 where the CPU has bf16 instructions, fp32 where it would emulate them (tens of times "
+        "slower); the serving gate always runs in fp32, where speculative decoding must equal the "
+        "target exactly",
     )
     parser.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts evaluated")
     parser.add_argument(
@@ -205,6 +210,9 @@ def train_drafts(
 
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
+    if args.precision == "auto":
+        args.precision, why = default_precision(torch.device("cpu"))
+        print(f"precision {why}")
     out = (REPO / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     start, stages = time.time(), Stages(total=7)

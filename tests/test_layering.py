@@ -22,6 +22,7 @@ LAYERS = {
     "dflash2.schedule": 0,
     "dflash2.target": 0,
     "dflash2.timing": 0,
+    "dflash2.hardware": 0,
     "dflash2.errors": 0,
     "dflash2.stamped_build": 0,
     "dflash2.faults": 1,

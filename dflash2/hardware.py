@@ -1,0 +1,66 @@
+"""What this machine computes fast: bf16 on a CPU only where the CPU has bf16 instructions.
+
+Without them (an AVX2-only x86 CPU, say) PyTorch emulates bf16 matrix products: a [256, 576] x
+[576, 1536] product ran at 1.2 GFLOP/s in bf16 against 87 GFLOP/s in fp32 on one core of an AVX2
+EPYC (docs/training.md, "bf16 on a CPU"), so a bf16 run there is tens of times slower, not faster.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+# /proc/cpuinfo flags of CPUs that compute bf16 products natively: x86 AVX-512 BF16 and AMX (the
+# "flags" line), Arm's BF16 extension (the "Features" line)
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+CPUINFO = Path("/proc/cpuinfo")
+
+
+def cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
+    """The first CPU's feature flags from /proc/cpuinfo (empty where it cannot be read: not Linux)."""
+    try:
+        lines = cpuinfo.read_text().splitlines()
+    except OSError:
+        return frozenset()
+    for line in lines:
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            return frozenset(value.split())
+    return frozenset()
+
+
+def cpu_has_native_bf16(cpuinfo: Path = CPUINFO) -> bool:
+    """Whether the CPU has bf16 instructions (unknown counts as no: fp32 is never the slow choice)."""
+    return bool(NATIVE_BF16_FLAGS & cpu_flags(cpuinfo))
+
+
+def default_precision(device: torch.device, cpuinfo: Path = CPUINFO) -> tuple[str, str]:
+    """("bf16" | "fp32", why): bf16 on a GPU or on a CPU with bf16 instructions, fp32 otherwise."""
+    if device.type != "cpu":
+        return "bf16", f"bf16 on {device.type}"
+    if cpu_has_native_bf16(cpuinfo):
+        return "bf16", "bf16: this CPU has bf16 instructions"
+    return "fp32", (
+        "fp32: this CPU has no bf16 instructions (no avx512_bf16, amx_bf16 or bf16 in /proc/cpuinfo), "
+        "where bf16 runs tens of times slower; --precision bf16 to run it anyway"
+    )
+
+
+def slow_bf16_warning(device: torch.device, *dtypes: torch.dtype, cpuinfo: Path = CPUINFO) -> str | None:
+    """One line for a run on `device` that computes in bf16 (one of `dtypes`) on a CPU without bf16
+    instructions, else None."""
+    if torch.bfloat16 not in dtypes or device.type != "cpu" or cpu_has_native_bf16(cpuinfo):
+        return None
+    return (
+        "warning: bf16 on a CPU without bf16 instructions (no avx512_bf16, amx_bf16 or bf16 in "
+        "/proc/cpuinfo): its matrix products are emulated, tens of times slower than fp32; "
+        "use fp32 on this machine (precision=fp32, --precision fp32 or --dtype float32)"
+    )
+
+
+def warn_if_slow_bf16(device: torch.device, *dtypes: torch.dtype, is_main: bool = True) -> None:
+    """Print slow_bf16_warning's line, if any (by the main rank only)."""
+    warning = slow_bf16_warning(device, *dtypes)
+    if warning and is_main:
+        print(f"[dflash2] {warning}", flush=True)
