@@ -62,9 +62,10 @@ def test_local_backend_matches_fsdp2_on_one_rank(local_run, common, tmp_path):
     ours, theirs = final_weights(local_run), final_weights(tmp_path)
     assert ours.keys() == theirs.keys()
     # Adam's update divides by the gradient's root mean square, so element by element a weight whose
-    # gradient is tiny differs more: compared per tensor, relative to its norm
+    # gradient is tiny differs more: compared per tensor, relative to its norm (up to 1.06e-6 seen on
+    # an AVX2 CPU, whose fp32 kernels sum in another order than AVX-512's; a wrong update is >= 1e-3)
     errors = {name: float((ours[name] - theirs[name]).norm() / theirs[name].norm()) for name in ours}
-    assert max(errors.values()) < 1e-6, sorted(errors.items(), key=lambda item: -item[1])[:3]
+    assert max(errors.values()) < 1e-5, sorted(errors.items(), key=lambda item: -item[1])[:3]
     assert (local_run / "checkpoints" / f"step_{STEPS:08d}" / "backend" / "backend.json").is_file()
 
 
