@@ -368,8 +368,9 @@ def evaluate(
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
     chat_template_kwargs, step, notes = run_settings(draft_dir, chat_template_kwargs)
     torch.manual_seed(seed)
-    warn_if_slow_bf16(torch.device(device), torch_dtype(precision))
-    draft, target, head, tokenizer = load_models(draft_dir, target_dir, device, torch_dtype(precision))
+    dtype = torch_dtype(precision)
+    warn_if_slow_bf16(torch.device(device), dtype)
+    draft, target, head, tokenizer = load_models(draft_dir, target_dir, device, dtype)
     prompts = [
         encode_prompt(m, tokenizer, chat_template_kwargs) for m in read_prompts(data_jsonl, num_prompts)
     ]

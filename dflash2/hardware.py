@@ -15,6 +15,7 @@ import torch
 # "flags" line), Arm's BF16 extension (the "Features" line)
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 CPUINFO = Path("/proc/cpuinfo")
+NO_BF16 = f"none of {', '.join(sorted(NATIVE_BF16_FLAGS))} in {CPUINFO}"
 
 
 def cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:
@@ -35,16 +36,11 @@ def cpu_has_native_bf16(cpuinfo: Path = CPUINFO) -> bool:
     return bool(NATIVE_BF16_FLAGS & cpu_flags(cpuinfo))
 
 
-def default_precision(device: torch.device, cpuinfo: Path = CPUINFO) -> tuple[str, str]:
-    """("bf16" | "fp32", why): bf16 on a GPU or on a CPU with bf16 instructions, fp32 otherwise."""
-    if device.type != "cpu":
-        return "bf16", f"bf16 on {device.type}"
+def default_cpu_precision(cpuinfo: Path = CPUINFO) -> tuple[str, str]:
+    """("bf16" | "fp32", why) for a run on this CPU: bf16 only where it has bf16 instructions."""
     if cpu_has_native_bf16(cpuinfo):
         return "bf16", "bf16: this CPU has bf16 instructions"
-    return "fp32", (
-        "fp32: this CPU has no bf16 instructions (no avx512_bf16, amx_bf16 or bf16 in /proc/cpuinfo), "
-        "where bf16 runs tens of times slower; --precision bf16 to run it anyway"
-    )
+    return "fp32", f"fp32: {NO_BF16}, where bf16 runs tens of times slower; --precision bf16 to run it anyway"
 
 
 def slow_bf16_warning(device: torch.device, *dtypes: torch.dtype, cpuinfo: Path = CPUINFO) -> str | None:
@@ -53,9 +49,9 @@ def slow_bf16_warning(device: torch.device, *dtypes: torch.dtype, cpuinfo: Path 
     if torch.bfloat16 not in dtypes or device.type != "cpu" or cpu_has_native_bf16(cpuinfo):
         return None
     return (
-        "warning: bf16 on a CPU without bf16 instructions (no avx512_bf16, amx_bf16 or bf16 in "
-        "/proc/cpuinfo): its matrix products are emulated, tens of times slower than fp32; "
-        "use fp32 on this machine (precision=fp32, --precision fp32 or --dtype float32)"
+        f"warning: bf16 on a CPU without bf16 instructions ({NO_BF16}): its matrix products are "
+        "emulated, tens of times slower than fp32; use fp32 on this machine (precision=fp32, "
+        "--precision fp32 or --dtype float32)"
     )
 
 

@@ -19,8 +19,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import torch
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "launch"))
@@ -31,7 +29,7 @@ from dflash2.config import torch_dtype  # noqa: E402
 from dflash2.data.real_prompts import build_real_prompts  # noqa: E402
 from dflash2.draft_config import DraftChoices, build_draft_config  # noqa: E402
 from dflash2.fixtures.smollm2 import build_smollm2  # noqa: E402
-from dflash2.hardware import default_precision  # noqa: E402
+from dflash2.hardware import default_cpu_precision  # noqa: E402
 from dflash2.models.config import DFLASH, DFLASH2  # noqa: E402
 
 CONFIGS = {"dflash": "configs/smollm2-dflash.yaml", "dflash2": "configs/smollm2-dflash2.yaml"}
@@ -211,7 +209,7 @@ def train_drafts(
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     if args.precision == "auto":
-        args.precision, why = default_precision(torch.device("cpu"))
+        args.precision, why = default_cpu_precision()
         print(f"precision {why}")
     out = (REPO / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash2.hardware import cpu_flags, cpu_has_native_bf16, default_precision, slow_bf16_warning
+from dflash2.hardware import cpu_flags, cpu_has_native_bf16, default_cpu_precision, slow_bf16_warning
 
 CPU = torch.device("cpu")
 ZEN3 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse sse2 avx avx2 fma\n\nprocessor\t: 1\n"
@@ -19,8 +19,8 @@ SAPPHIRE_RAPIDS = "processor\t: 0\nflags\t\t: avx2 avx512f amx_bf16 amx_tile amx
 NEOVERSE_V1 = "processor\t: 0\nFeatures\t: fp asimd sve bf16 i8mm\nCPU implementer\t: 0x41\n"
 
 
-def cpuinfo(tmp_path: Path, text: str) -> Path:
-    path = tmp_path / "cpuinfo"
+def cpuinfo(tmp_path: Path, text: str, name: str = "cpuinfo") -> Path:
+    path = tmp_path / name
     path.write_text(text)
     return path
 
@@ -35,7 +35,7 @@ def test_native_bf16_from_cpuinfo(tmp_path, text, native):
 
 def test_unreadable_cpuinfo_counts_as_no_bf16(tmp_path):
     assert cpu_flags(tmp_path / "missing") == frozenset()
-    assert default_precision(CPU, tmp_path / "missing")[0] == "fp32"
+    assert default_cpu_precision(tmp_path / "missing")[0] == "fp32"
 
 
 @pytest.mark.skipif(platform.machine() != "x86_64" or not Path("/proc/cpuinfo").exists(), reason="x86 Linux")
@@ -45,10 +45,9 @@ def test_agrees_with_torchs_own_cpu_checks():
     assert cpu_has_native_bf16() is bool(torch_says)
 
 
-def test_default_precision(tmp_path):
-    assert default_precision(CPU, cpuinfo(tmp_path, ZEN5))[0] == "bf16"
-    assert default_precision(torch.device("cuda"), cpuinfo(tmp_path, ZEN3))[0] == "bf16"
-    precision, why = default_precision(CPU, cpuinfo(tmp_path, ZEN3))
+def test_default_cpu_precision(tmp_path):
+    assert default_cpu_precision(cpuinfo(tmp_path, ZEN5, "zen5"))[0] == "bf16"
+    precision, why = default_cpu_precision(cpuinfo(tmp_path, ZEN3))
     assert precision == "fp32" and "--precision bf16" in why
 
 
@@ -58,9 +57,7 @@ def test_slow_bf16_warning(tmp_path):
     assert warning and "precision=fp32" in warning and "--precision fp32" in warning
     assert slow_bf16_warning(CPU, torch.float32, cpuinfo=zen3) is None
     assert slow_bf16_warning(torch.device("cuda"), torch.bfloat16, cpuinfo=zen3) is None
-    zen5 = tmp_path / "zen5"
-    zen5.write_text(ZEN5)
-    assert slow_bf16_warning(CPU, torch.bfloat16, cpuinfo=zen5) is None
+    assert slow_bf16_warning(CPU, torch.bfloat16, cpuinfo=cpuinfo(tmp_path, ZEN5, "zen5")) is None
 
 
 def test_cpu_bf16_benchmark_runs(capsys):
