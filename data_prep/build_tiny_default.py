@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 
-from dflash2.errors import add_debug_flag, run_main
+from dflash2.errors import add_debug_flag, exit_process, run_main
 from dflash2.fixtures.tiny_default import build_tiny_default
 
 
@@ -26,4 +25,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    exit_process(run_main(main))

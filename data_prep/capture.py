@@ -21,7 +21,7 @@ from dflash2.faults import exit_with_launcher  # noqa: E402  (light: stdlib only
 exit_with_launcher()  # first: a worker whose launcher dies while the heavy imports below run still ends
 
 from dflash2.config import check_run_paths, load_run_config  # noqa: E402
-from dflash2.errors import add_debug_flag, run_main  # noqa: E402
+from dflash2.errors import add_debug_flag, exit_process, run_main  # noqa: E402
 from dflash2.run import run_offline_capture  # noqa: E402
 
 
@@ -54,4 +54,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    exit_process(run_main(main))

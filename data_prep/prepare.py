@@ -14,7 +14,7 @@ from transformers import AutoTokenizer  # noqa: E402
 
 from dflash2.config import require_path  # noqa: E402
 from dflash2.data.prepare import describe, prepare_dataset, save_prepared  # noqa: E402
-from dflash2.errors import add_debug_flag, run_main  # noqa: E402
+from dflash2.errors import add_debug_flag, exit_process, run_main  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,4 +69,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    exit_process(run_main(main))

@@ -15,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from dflash2.data.real_prompts import build_real_prompts  # noqa: E402
-from dflash2.errors import add_debug_flag, run_main  # noqa: E402
+from dflash2.errors import add_debug_flag, exit_process, run_main  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,4 +35,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    exit_process(run_main(main))

@@ -10,11 +10,10 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import sys
 
 from dflash2.config import require_path
 from dflash2.data.regenerate import LocalTargetGenerator, ServerGenerator, regenerate_file
-from dflash2.errors import add_debug_flag, run_main
+from dflash2.errors import add_debug_flag, exit_process, run_main
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -87,4 +86,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    exit_process(run_main(main))

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 from dflash2.data.render import stop_token_ids
-from dflash2.errors import add_debug_flag, run_main
+from dflash2.errors import add_debug_flag, exit_process, run_main
 from dflash2.models.config import (
     ARCHITECTURES,
     CONV_KEYS,
@@ -278,4 +277,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    exit_process(run_main(main))

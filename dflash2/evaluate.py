@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,7 +26,7 @@ from dflash2.config import PRECISIONS, require_path, torch_dtype
 from dflash2.data.jsonl import SampleError, iter_lines, parse_sample, prompt_turns
 from dflash2.data.render import encode_prompt, stop_token_ids
 from dflash2.decode import Clock, GenerationResult, TargetResult, speculative_generate, timed_target_generate
-from dflash2.errors import add_debug_flag, run_main
+from dflash2.errors import add_debug_flag, exit_process, run_main
 from dflash2.export import TRAINING_RUN_NAME, read_training_run
 from dflash2.hardware import warn_if_slow_bf16
 from dflash2.models import TargetHead, load_draft
@@ -463,4 +462,4 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    exit_process(run_main(main))

@@ -35,7 +35,7 @@ from dflash2.checkpoint import (
     read_train_state,
 )
 from dflash2.config import PRECISIONS, require_path, torch_dtype
-from dflash2.errors import add_debug_flag, run_main
+from dflash2.errors import add_debug_flag, exit_process, run_main
 from dflash2.models.config import (
     REQUIRED_BACKBONE_KEYS,
     draft_value,
@@ -405,4 +405,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    exit_process(run_main(main))

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,7 +33,7 @@ from dflash2.config import RunConfig, load_run_config
 from dflash2.distributed import backend_class
 from dflash2.distributed.base import DTYPE_BYTES, count_params
 from dflash2.distributed.base import MemoryItem as Item
-from dflash2.errors import EXIT_DOES_NOT_FIT, add_debug_flag, run_main
+from dflash2.errors import EXIT_DOES_NOT_FIT, add_debug_flag, exit_process, run_main
 from dflash2.models import build_draft
 from dflash2.models.attention import context_key_span
 
@@ -421,4 +420,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    exit_process(run_main(main))

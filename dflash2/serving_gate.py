@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,7 +35,7 @@ from dflash2.data.jsonl import SampleError, iter_lines, parse_sample, prompt_tur
 from dflash2.data.regenerate import LocalTargetGenerator, regenerate_conversations
 from dflash2.data.render import encode_prompt, render_with_token_ids, stop_token_ids
 from dflash2.decode import speculative_generate, target_generate
-from dflash2.errors import add_debug_flag, run_main
+from dflash2.errors import add_debug_flag, exit_process, run_main
 from dflash2.export import read_training_run
 from dflash2.models import TargetHead, load_draft
 from dflash2.run import run
@@ -337,4 +336,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    exit_process(run_main(main))

@@ -24,7 +24,7 @@ from dflash2.faults import exit_with_launcher, stop_request  # noqa: E402  (ligh
 exit_with_launcher()  # first: a worker whose launcher dies while the heavy imports below run still stops
 
 from dflash2.config import check_run_paths, load_run_config  # noqa: E402
-from dflash2.errors import EXIT_STOPPED, add_debug_flag, run_main  # noqa: E402
+from dflash2.errors import EXIT_STOPPED, add_debug_flag, exit_process, run_main  # noqa: E402
 from dflash2.run import run  # noqa: E402
 
 
@@ -49,4 +49,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    exit_process(run_main(main))

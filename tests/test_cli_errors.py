@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import runpy
+import subprocess
 import sys
 import warnings
 
@@ -21,6 +22,8 @@ def run_cli(monkeypatch, capsys, tool: str, arguments: list[str]) -> tuple[int, 
     monkeypatch.setattr(sys, "argv", [tool, *arguments])
     monkeypatch.chdir(REPO)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # were the hub ever asked, this would fail differently
+    # a tool ends its process with errors.exit_process (os._exit): here it must end the tool only
+    monkeypatch.setattr("dflash2.errors.exit_process", sys.exit)
     with pytest.raises(SystemExit) as exited, warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # runpy: the module is imported already
         if tool.endswith(".py"):
@@ -148,3 +151,32 @@ def test_debug_shows_the_traceback_and_other_ranks_stay_quiet(monkeypatch, capsy
     monkeypatch.delenv("DFLASH2_DEBUG")
     monkeypatch.setenv("RANK", "1")  # the same error on every rank is printed once, by rank 0
     assert run_main(main, []) == EXIT_USER_ERROR and capsys.readouterr().err == ""
+
+
+EXIT_PROCESS_SCRIPT = """
+import atexit, sys, threading, time
+from dflash2.errors import exit_process
+
+atexit.register(lambda: print("exit handler ran", flush=True))
+def late_writer():
+    time.sleep(0.5)
+    with open(sys.argv[1], "w") as f:
+        f.write("written by a non-daemon thread")
+threading.Thread(target=late_writer).start()
+sys.stdout.write("buffered, not flushed; ")
+exit_process(75)
+print("never reached")
+"""
+
+
+def test_exit_process_ends_like_python_does_only_without_the_teardown(tmp_path):
+    """What a normal exit would do still happens: the code, a non-daemon thread finishes its write,
+    the exit handlers run, buffered output reaches the pipe; nothing after the call runs."""
+    written = tmp_path / "out.txt"
+    ended = subprocess.run(
+        [sys.executable, "-c", EXIT_PROCESS_SCRIPT, str(written)],
+        cwd=REPO, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert ended.returncode == 75, ended.stderr
+    assert ended.stdout == "buffered, not flushed; exit handler ran\n", ended.stdout
+    assert written.read_text() == "written by a non-daemon thread"

@@ -19,7 +19,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
 from dflash2.config import check_run_paths, load_run_config  # noqa: E402
-from dflash2.errors import add_debug_flag, run_main  # noqa: E402
+from dflash2.errors import add_debug_flag, exit_process, run_main  # noqa: E402
 
 
 def check(config: str, overrides: list[str], world_size: int) -> str:
@@ -68,4 +68,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_main(main))
+    exit_process(run_main(main))
