@@ -12,8 +12,13 @@ install: .venv/.installed
 	$(PIP) install -q --no-deps -e .
 	touch $@
 
+# Two pytest workers, each taking whole test files (so a file's module fixtures run once): most tests
+# launch one or two single-threaded processes, so one after another they kept 1.2 of 2 cores busy.
+# More cores: make test TEST_WORKERS=4.
+TEST_WORKERS ?= 2
+
 test: install
-	$(PY) -m pytest tests
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests
 
 tiny: install
 	$(PY) data_prep/build_tiny_default.py --out artifacts/tiny
