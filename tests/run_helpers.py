@@ -81,13 +81,20 @@ def short_tiny_run(tiny_default, directory: Path, *overrides: str, num_lines: in
 
 
 def load_script(script: str):
-    """A script of the repository (data_prep/..., launch/...) imported as a module, nothing run."""
+    """A script of the repository (data_prep/..., launch/...) imported as a module, nothing run.
+    What its import puts in os.environ is undone: launch/torchrun.py's torchrun defaults (SIGUSR1
+    handled) are for its own process, and would reach the launchers later tests start."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(Path(script).stem + "_cli", REPO / script)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # a dataclass of the script looks its module up there
-    spec.loader.exec_module(module)
+    environ = dict(os.environ)
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
     return module
 
 
