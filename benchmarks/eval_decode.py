@@ -48,6 +48,7 @@ from dflash2.evaluate import encode_prompt, load_models, read_prompts  # noqa: E
 from dflash2.models import TargetHead, build_draft  # noqa: E402
 from dflash2.models.config import default_target_layer_ids, load_config_dict  # noqa: E402
 from dflash2.target.hooks import decoder_layers  # noqa: E402
+from dflash2.target.layout import decoding_product  # noqa: E402
 from dflash2.target.state import use_decoding_layout  # noqa: E402
 from dflash2.timing import ITERATION, StepTimer  # noqa: E402
 
@@ -124,24 +125,34 @@ def load(args: argparse.Namespace):
 
 
 def gemm_layouts(target, rows: tuple[int, ...], repeats: int = 20) -> dict:
-    """Median CPU ms of F.linear on the shapes of the target's LM head and of the largest linear of
-    its first layer (random values in the target's dtype), the weight [out, in] row-major (as
-    loaded) vs stored transposed (use_decoding_layout)."""
+    """Median CPU ms of the products of the target's LM head and of the largest linear of its first
+    layer (random values in the target's dtype) over a few rows: `F.linear` on the weight [out, in]
+    row-major (`as_loaded`) and stored transposed (`transposed`), and what use_decoding_layout runs
+    (`decoding_layout`: dflash2.target.layout.decoding_product over both layouts). One weight at a
+    time, so a small one stays in the CPU's caches: the per-layer products of a real forward, which
+    read every layer's weights from memory, are measured by the verify step itself."""
     from torch.nn import functional as F
 
     out = {}
-    linears = [m for m in decoder_layers(target)[0].modules() if isinstance(m, torch.nn.Linear)]
+    linears = [m for m in decoder_layers(target)[0].modules() if hasattr(m, "weight") and m.weight.dim() == 2]
     largest = max(linears, key=lambda m: m.weight.numel()).weight  # an MLP projection
     for weight in (target.get_output_embeddings().weight, largest):
         as_loaded = torch.randn(weight.shape, dtype=weight.dtype)
-        laid_out = as_loaded.t().contiguous().t()
+        transposed = as_loaded.t().contiguous().t()
+        products = {
+            "as_loaded": partial(F.linear, weight=as_loaded),
+            "transposed": partial(F.linear, weight=transposed),
+            "decoding_layout": partial(
+                decoding_product, weight=as_loaded, weight_t=transposed.t(), bias=None
+            ),
+        }
         for m in rows:
             x = torch.randn(m, weight.shape[1], dtype=weight.dtype)
-            for name, w in (("as_loaded", as_loaded), ("decoding_layout", laid_out)):
+            for name, product in products.items():
                 times = []
                 for _ in range(repeats):
                     start = time.process_time()
-                    F.linear(x, w)
+                    product(x)
                     times.append(time.process_time() - start)
                 out[f"{tuple(weight.shape)} x {m} rows, {name}"] = 1e3 * statistics.median(times)
     return out

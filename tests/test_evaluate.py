@@ -237,12 +237,14 @@ def test_cached_draft_proposes_what_the_full_forward_proposes(target, head, arch
 
 @pytest.mark.parametrize("architecture", ["DFlashDraftModel", "DFlash2DraftModel"])
 def test_decoding_layout_keeps_values_and_greedy_output(architecture):
-    """use_decoding_layout swaps the strides of every linear weight (and of the head's LM head),
-    nothing else: same values, tied weights still one tensor, idempotent; greedy speculative
-    decoding on the re-laid models is still the (original) target's own greedy decoding, and its
-    logits are the original ones within fp32 rounding."""
+    """use_decoding_layout gives every fp32 linear product (the target's and the draft's layers, the
+    target's LM head, the TargetHead's) a transposed copy of its weight, nothing else: same values
+    and state dict, tied weights still one tensor, idempotent; a product over one row and over
+    several is the float64 one within fp32 rounding; greedy speculative decoding on the re-laid
+    models is still the (original) target's own greedy decoding."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
+    from dflash2.target.layout import DecodingLinear
     from dflash2.target.state import use_decoding_layout
 
     target = build_target(seed=2)
@@ -252,21 +254,39 @@ def test_decoding_layout_keeps_values_and_greedy_output(architecture):
     with torch.no_grad():
         logits = target(torch.tensor([PROMPT])).logits
     reference = plain_greedy(target, PROMPT, 40)
+    up_proj = target.model.layers[0].mlp.up_proj  # an nn.Linear
     for _ in range(2):
         use_decoding_layout(target, draft, head, tied)
     after = {name: t for m in (target, draft, head) for name, t in m.state_dict().items()}
-    assert all(torch.equal(before[name], after[name]) for name in before)
-    for weight in (target.lm_head.weight, target.model.layers[0].mlp.up_proj.weight, head.lm_head_weight):
-        assert weight.stride() == (1, weight.shape[0])  # column-major [out, in]
-    assert draft.fc.weight.stride() == (1, draft.fc.weight.shape[0])
-    assert tied.lm_head.weight is tied.model.embed_tokens.weight and tied.lm_head.weight.stride()[0] == 1
+    assert after.keys() == before.keys() and all(torch.equal(before[name], after[name]) for name in before)
+    linears = [
+        m for m in (*target.modules(), *draft.modules()) if isinstance(m, (torch.nn.Linear, DecodingLinear))
+    ]
+    assert linears and all(type(m) is DecodingLinear for m in linears)
+    assert target.model.layers[0].mlp.up_proj.weight is up_proj.weight
+    assert tied.lm_head.weight is tied.model.embed_tokens.weight
+    products = [(m.weight, m.weight_t) for m in linears] + [(head.lm_head_weight, head.lm_head_weight_t)]
+    assert all(w.is_contiguous() and wt.is_contiguous() and torch.equal(wt, w.t()) for w, wt in products)
+    up_proj = target.model.layers[0].mlp.up_proj  # now a DecodingLinear
+    for product, weight in (
+        (target.lm_head, target.lm_head.weight),
+        (up_proj, up_proj.weight),
+        (head.logits, head.lm_head_weight),
+    ):
+        hidden = torch.randn(1, 4, weight.shape[1])
+        want = hidden.double() @ weight.double().t()
+        with torch.no_grad():
+            for rows in (slice(0, 1), slice(0, 4)):  # one row (a decoding step) and a block
+                torch.testing.assert_close(
+                    product(hidden[:, rows]).double(), want[:, rows], rtol=1e-5, atol=1e-5
+                )
     with torch.no_grad():
         torch.testing.assert_close(target(torch.tensor([PROMPT])).logits, logits, rtol=1e-5, atol=1e-5)
     result = decode.speculative_generate(draft, target, head, PROMPT, max_new_tokens=40)
     assert result.output_ids == reference == decode.target_generate(target, PROMPT, max_new_tokens=40)
     bf16 = build_target(seed=2).to(torch.bfloat16)
-    use_decoding_layout(bf16)  # bf16 weights stay as loaded (row-major [out, in])
-    assert bf16.lm_head.weight.is_contiguous() and bf16.model.layers[0].mlp.up_proj.weight.is_contiguous()
+    use_decoding_layout(bf16)  # bf16 weights stay as loaded
+    assert type(bf16.lm_head) is torch.nn.Linear and type(bf16.model.layers[0].mlp.up_proj) is torch.nn.Linear
 
 
 # ------------------------------------------------------------------ sampling is lossless

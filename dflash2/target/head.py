@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dflash2.target.files import read_tensor, target_tensor_files
+from dflash2.target.layout import decoding_product
 
 
 def head_modules(model: nn.Module) -> tuple[nn.Module, nn.Module]:
@@ -56,6 +57,8 @@ class TargetHead(nn.Module):
         self.register_buffer("lm_head_weight", lm_head_weight.detach(), persistent=False)
         bias = None if lm_head_bias is None else lm_head_bias.detach()
         self.register_buffer("lm_head_bias", bias, persistent=False)
+        # [H, V], set for decoding on a CPU only (use_decoding_layout; dflash2.target.layout)
+        self.register_buffer("lm_head_weight_t", None, persistent=False)
         self.loss_vocab: LossVocab | None = None  # restrict_loss_vocab
 
     def restrict_loss_vocab(self, token_ids: torch.Tensor) -> None:
@@ -79,7 +82,10 @@ class TargetHead(nn.Module):
         [b, B-1, H] keeps its parent's strides, on which a bf16 product on a CPU leaves the fast
         kernel (50 ms instead of 2 ms for 3 rows of SmolLM2's head, docs/benchmarks.md)."""
         rows = hidden.reshape(-1, hidden.shape[-1])
-        logits = F.linear(rows, self.lm_head_weight.to(hidden.dtype), self.lm_head_bias)
+        if self.lm_head_weight_t is not None and rows.dtype == self.lm_head_weight.dtype:
+            logits = decoding_product(rows, self.lm_head_weight, self.lm_head_weight_t, self.lm_head_bias)
+        else:
+            logits = F.linear(rows, self.lm_head_weight.to(hidden.dtype), self.lm_head_bias)
         return logits.view(*hidden.shape[:-1], logits.shape[-1])
 
     @classmethod

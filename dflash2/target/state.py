@@ -28,27 +28,35 @@ from torch import nn
 
 from dflash2.target.head import TargetHead
 from dflash2.target.hooks import capture_layer_outputs
+from dflash2.target.layout import DecodingLinear
 
 
 def use_decoding_layout(*modules: nn.Module) -> None:
-    """On CPU, keep every fp32 `nn.Linear` weight of `modules` (and a TargetHead's fp32 LM head)
-    transposed in memory: same values, same shape, strides swapped. An fp32 `F.linear` over a few
-    rows (a verify block of B tokens, the draft's block) then runs MKL's plain GEMM instead of its
-    transposed one, about 2x faster at 8 rows on the CPUs measured (docs/benchmarks.md); a one-row
-    forward is as fast as before. The logits are those of another GEMM kernel: equal within fp32
-    rounding, not bitwise. bf16 weights stay as loaded: their kernels (oneDNN) are faster on the
-    usual layout (docs/benchmarks.md, "bf16 on a CPU"). Tied weights stay tied (one parameter);
-    calling it twice changes nothing; other devices: no-op."""
+    """On CPU, lay out the fp32 linear products of `modules` for decoding (dflash2.target.layout):
+    every `nn.Linear` becomes a `DecodingLinear` holding the same weight and a transposed copy, and
+    a TargetHead gets a transposed copy of its LM head; the one-row products use the copies, the
+    few-row ones (a verify block, the draft's block) the weights as loaded. A verify forward of
+    SmolLM2 over 4 tokens then costs about what a one-token forward does (docs/benchmarks.md), at
+    twice the memory of the linear weights. Same values and shapes, same state dict; the outputs
+    are those of other GEMM kernels, equal within fp32 rounding, not bitwise. bf16 weights stay as
+    loaded: their kernels (oneDNN) are faster on the usual layout (docs/benchmarks.md, "bf16 on a
+    CPU"). Tied weights stay tied (one parameter); calling it twice changes nothing; other
+    devices: no-op."""
 
     def laid_out(weight: torch.Tensor) -> bool:
         return weight.device.type == "cpu" and weight.dtype == torch.float32
 
     for module in modules:
-        for sub in module.modules():
-            if isinstance(sub, nn.Linear) and laid_out(sub.weight):
-                sub.weight.data = sub.weight.data.t().contiguous().t()
-            if isinstance(sub, TargetHead) and laid_out(sub.lm_head_weight):
-                sub.lm_head_weight = sub.lm_head_weight.t().contiguous().t()
+        for parent in list(module.modules()):
+            for name, child in list(parent.named_children()):
+                if type(child) is nn.Linear and laid_out(child.weight):
+                    setattr(parent, name, DecodingLinear(child))
+            if (
+                isinstance(parent, TargetHead)
+                and laid_out(parent.lm_head_weight)
+                and parent.lm_head_weight_t is None
+            ):
+                parent.lm_head_weight_t = parent.lm_head_weight.t().contiguous()
 
 
 def new_cache(target: nn.Module):
