@@ -14,11 +14,11 @@ install: .venv/.installed
 
 # Two pytest workers, each taking whole test files (so a file's module fixtures run once): most tests
 # launch one or two single-threaded processes, so one after another they kept 1.2 of 2 cores busy.
-# More cores: make test TEST_WORKERS=4.
+# More cores: make test TEST_WORKERS=4. The 20 slowest tests are listed at the end (the suite's budget).
 TEST_WORKERS ?= 2
 
 test: install
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile tests
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=20 tests
 
 tiny: install
 	$(PY) data_prep/build_tiny_default.py --out artifacts/tiny
