@@ -3,10 +3,12 @@ acceptance-length bookkeeping, and the CLI outputs."""
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from dflash2 import decode
@@ -287,6 +289,38 @@ def test_decoding_layout_keeps_values_and_greedy_output(architecture):
     bf16 = build_target(seed=2).to(torch.bfloat16)
     use_decoding_layout(bf16)  # bf16 weights stay as loaded
     assert type(bf16.lm_head) is torch.nn.Linear and type(bf16.model.layers[0].mlp.up_proj) is torch.nn.Linear
+
+
+def test_decoding_layout_follows_weight_changes_and_trains_like_linear():
+    """A re-laid linear or TargetHead whose weight changes in place (an optimizer step,
+    load_state_dict) computes with the new weight at one row and at several, never with a stale
+    transposed copy; with gradients enabled a DecodingLinear gives nn.Linear's own gradients."""
+    from dflash2.target.state import use_decoding_layout
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 5, bias=False))
+    reference = copy.deepcopy(model)
+    head = TargetHead(torch.randn(7, 5), torch.randn(7, 5))
+    use_decoding_layout(model, head)
+    x = torch.randn(4, 8)
+    for one_row in (False, True):  # the products over several rows, then over one row
+        rows = x[:1] if one_row else x
+        loss, want = model(rows).square().sum(), reference(rows).square().sum()
+        loss.backward(), want.backward()
+        for got, ref in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(got.grad, ref.grad, rtol=1e-5, atol=1e-6)
+    for m in (model, reference):
+        torch.optim.SGD(m.parameters(), lr=0.5).step()
+    head.lm_head_weight.mul_(-2.0)  # in place, as load_state_dict does
+    with torch.no_grad():
+        for rows in (x[:1], x):
+            torch.testing.assert_close(model(rows), reference(rows), rtol=1e-5, atol=1e-6)
+            hidden = torch.randn(len(rows), 5)
+            want = F.linear(hidden, head.lm_head_weight)
+            torch.testing.assert_close(head.logits(hidden), want, rtol=1e-5, atol=1e-6)
+        reference[0].weight.add_(1.0)
+        model.load_state_dict(reference.state_dict())
+        torch.testing.assert_close(model(x[:1]), reference(x[:1]), rtol=1e-5, atol=1e-6)
 
 
 # ------------------------------------------------------------------ sampling is lossless

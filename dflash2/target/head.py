@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dflash2.target.files import read_tensor, target_tensor_files
-from dflash2.target.layout import decoding_product
+from dflash2.target.layout import decoding_product, weight_state
 
 
 def head_modules(model: nn.Module) -> tuple[nn.Module, nn.Module]:
@@ -59,7 +59,13 @@ class TargetHead(nn.Module):
         self.register_buffer("lm_head_bias", bias, persistent=False)
         # [H, V], set for decoding on a CPU only (use_decoding_layout; dflash2.target.layout)
         self.register_buffer("lm_head_weight_t", None, persistent=False)
+        self.head_copied_from: tuple[int, int] | None = None  # weight_state of that copy's source
         self.loss_vocab: LossVocab | None = None  # restrict_loss_vocab
+
+    def transpose_lm_head(self) -> None:
+        """Keep a transposed copy of the LM head for one-row products (use_decoding_layout)."""
+        self.lm_head_weight_t = self.lm_head_weight.t().contiguous()
+        self.head_copied_from = weight_state(self.lm_head_weight)
 
     def restrict_loss_vocab(self, token_ids: torch.Tensor) -> None:
         """Compute the training loss over these token ids only (objective.loss_vocab_size); serving
@@ -83,6 +89,8 @@ class TargetHead(nn.Module):
         kernel (50 ms instead of 2 ms for 3 rows of SmolLM2's head, docs/benchmarks.md)."""
         rows = hidden.reshape(-1, hidden.shape[-1])
         if self.lm_head_weight_t is not None and rows.dtype == self.lm_head_weight.dtype:
+            if self.head_copied_from != weight_state(self.lm_head_weight):  # changed in place since
+                self.transpose_lm_head()
             logits = decoding_product(rows, self.lm_head_weight, self.lm_head_weight_t, self.lm_head_bias)
         else:
             logits = F.linear(rows, self.lm_head_weight.to(hidden.dtype), self.lm_head_bias)

@@ -6,11 +6,17 @@ MKL's transposed GEMM, which at a few rows is far from the cost of reading the w
 row count has its fast form (docs/benchmarks.md): one row `x @ weight_t` on a transposed copy
 `[in, out]`, several `(weight @ x.T).T` on the weight as loaded, which reads each weight row once
 for all of them. Both are kept, so a product costs twice the weight's memory.
+
+The copy follows the weight: an in-place change of it (an optimizer step, `load_state_dict`) is
+seen by its version counter and the copy is made again before the next product; with gradients
+enabled on a trainable weight the product is `F.linear` itself, so training through a re-laid
+module computes the same gradients as through `nn.Linear`.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -26,14 +32,30 @@ def decoding_product(
     return out if bias is None else out + bias
 
 
+def weight_state(weight: torch.Tensor) -> tuple[int, int]:
+    """What a transposed copy of `weight` was made from: its storage and its in-place version."""
+    return weight.data_ptr(), weight._version
+
+
 class DecodingLinear(nn.Module):
     """An `nn.Linear` laid out for decoding: the same weight parameter (tied where it was) and bias,
-    plus a transposed copy of the weight (a buffer: the state dict is unchanged)."""
+    plus a transposed copy of the weight (a buffer: the state dict is unchanged), made again when
+    the weight changed in place."""
 
     def __init__(self, linear: nn.Linear) -> None:
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
-        self.register_buffer("weight_t", linear.weight.detach().t().contiguous(), persistent=False)
+        self.register_buffer("weight_t", None, persistent=False)
+        self.copied_from: tuple[int, int] | None = None
+        self.transposed()
+
+    def transposed(self) -> torch.Tensor:
+        if self.copied_from != weight_state(self.weight):
+            self.weight_t = self.weight.detach().t().contiguous()
+            self.copied_from = weight_state(self.weight)
+        return self.weight_t
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return decoding_product(x, self.weight, self.weight_t, self.bias)
+        if torch.is_grad_enabled() and self.weight.requires_grad:  # training: autograd on the weight
+            return F.linear(x, self.weight, self.bias)
+        return decoding_product(x, self.weight, self.transposed(), self.bias)

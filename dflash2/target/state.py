@@ -56,7 +56,7 @@ def use_decoding_layout(*modules: nn.Module) -> None:
                 and laid_out(parent.lm_head_weight)
                 and parent.lm_head_weight_t is None
             ):
-                parent.lm_head_weight_t = parent.lm_head_weight.t().contiguous()
+                parent.transpose_lm_head()
 
 
 def new_cache(target: nn.Module):
