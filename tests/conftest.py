@@ -20,16 +20,19 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 # What a shell can carry in that would change the runs the tests start: a launcher's rank variables
 # (a suite run inside torchrun, deepspeed or an srun step: a single-process run would take itself for
-# rank N of a job that is not there) and the project's own knobs (DFLASH2_DEBUG prints tracebacks
-# that the error tests forbid, DFLASH2_DIST_TIMEOUT_S changes how fast the fault tests see a dead
-# rank). The tests that need one set it themselves.
+# rank N of a job that is not there), an allocation's SLURM_* and the sbatch/srun/salloc defaults
+# (SBATCH_PARTITION would send the real SLURM test's job to a partition its cluster lacks), and the
+# project's own knobs (DFLASH2_DEBUG prints tracebacks that the error tests forbid,
+# DFLASH2_DIST_TIMEOUT_S changes how fast the fault tests see a dead rank). The tests that need one
+# set it themselves.
 OUTSIDE_ENVIRONMENT = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
     "MASTER_PORT", "TORCHELASTIC_RUN_ID", "DFLASH2_DEBUG", "DFLASH2_DIST_TIMEOUT_S",
     "DFLASH2_MASTER_PORT", "DFLASH2_ROOT",
 )  # fmt: skip
-for name in OUTSIDE_ENVIRONMENT:
-    os.environ.pop(name, None)
+for name in list(os.environ):
+    if name in OUTSIDE_ENVIRONMENT or name.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_")):
+        del os.environ[name]
 
 # DeepSpeed JIT-compiles a shared-memory comm op at its first init_distributed, in every rank at once
 # behind a lock file. A rank killed mid-build (a test's timeout, a fault test's SIGKILL, torchrun's
