@@ -256,7 +256,7 @@ def test_decoding_layout_keeps_values_and_greedy_output(architecture):
     with torch.no_grad():
         logits = target(torch.tensor([PROMPT])).logits
     reference = plain_greedy(target, PROMPT, 40)
-    up_proj = target.model.layers[0].mlp.up_proj  # an nn.Linear
+    up_proj_weight = target.model.layers[0].mlp.up_proj.weight  # of an nn.Linear
     for _ in range(2):
         use_decoding_layout(target, draft, head, tied)
     after = {name: t for m in (target, draft, head) for name, t in m.state_dict().items()}
@@ -265,11 +265,11 @@ def test_decoding_layout_keeps_values_and_greedy_output(architecture):
         m for m in (*target.modules(), *draft.modules()) if isinstance(m, (torch.nn.Linear, DecodingLinear))
     ]
     assert linears and all(type(m) is DecodingLinear for m in linears)
-    assert target.model.layers[0].mlp.up_proj.weight is up_proj.weight
+    assert target.model.layers[0].mlp.up_proj.weight is up_proj_weight
     assert tied.lm_head.weight is tied.model.embed_tokens.weight
     products = [(m.weight, m.weight_t) for m in linears] + [(head.lm_head_weight, head.lm_head_weight_t)]
     assert all(w.is_contiguous() and wt.is_contiguous() and torch.equal(wt, w.t()) for w, wt in products)
-    up_proj = target.model.layers[0].mlp.up_proj  # now a DecodingLinear
+    up_proj = target.model.layers[0].mlp.up_proj  # a DecodingLinear
     for product, weight in (
         (target.lm_head, target.lm_head.weight),
         (up_proj, up_proj.weight),
