@@ -303,8 +303,7 @@ def test_decoding_layout_follows_weight_changes_and_trains_like_linear():
     head = TargetHead(torch.randn(7, 5), torch.randn(7, 5))
     use_decoding_layout(model, head)
     x = torch.randn(4, 8)
-    for one_row in (False, True):  # the products over several rows, then over one row
-        rows = x[:1] if one_row else x
+    for rows in (x, x[:1]):  # the products over several rows, then over one row
         loss, want = model(rows).square().sum(), reference(rows).square().sum()
         loss.backward(), want.backward()
         for got, ref in zip(model.parameters(), reference.parameters()):

@@ -46,16 +46,16 @@ class DecodingLinear(nn.Module):
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
         self.register_buffer("weight_t", None, persistent=False)
-        self.copied_from: tuple[int, int] | None = None
-        self.transposed()
+        self.copy_weight()
 
-    def transposed(self) -> torch.Tensor:
-        if self.copied_from != weight_state(self.weight):
-            self.weight_t = self.weight.detach().t().contiguous()
-            self.copied_from = weight_state(self.weight)
-        return self.weight_t
+    def copy_weight(self) -> None:
+        self.weight_t = self.weight.detach().t().contiguous()
+        self.copied_from = weight_state(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and self.weight.requires_grad:  # training: autograd on the weight
-            return F.linear(x, self.weight, self.bias)
-        return decoding_product(x, self.weight, self.transposed(), self.bias)
+        weight = self.weight  # read once: a module attribute costs microseconds, 210 times a forward
+        if torch.is_grad_enabled() and weight.requires_grad:  # training: autograd on the weight
+            return F.linear(x, weight, self.bias)
+        if self.copied_from != weight_state(weight):  # changed in place since the copy
+            self.copy_weight()
+        return decoding_product(x, weight, self.weight_t, self.bias)
