@@ -15,10 +15,13 @@ install: .venv/.installed
 # Two pytest workers, each taking whole test files (so a file's module fixtures run once): most tests
 # launch one or two single-threaded processes, so one after another they kept 1.2 of 2 cores busy.
 # More cores: make test TEST_WORKERS=4. The 20 slowest tests are listed at the end (the suite's budget).
+# A worker that dies is not replaced (--max-worker-restart=0): the run ends at once, naming the test
+# it died in. pytest-xdist 3.8.0 replaces it otherwise, and under --dist loadfile the replacement can
+# wait forever for work at the end of the run (a CI run hung that way until its 90-minute limit).
 TEST_WORKERS ?= 2
 
 test: install
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=20 tests
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --max-worker-restart=0 --durations=20 tests
 
 tiny: install
 	$(PY) data_prep/build_tiny_default.py --out artifacts/tiny

@@ -104,9 +104,10 @@ def tiny_tokenizer(tiny_default: TinyDefault):
 @pytest.fixture
 def launched():
     """Start runs in sessions of their own; whatever is left of them (launcher, workers in their own
-    sessions, a frozen worker) is killed at the end of the test."""
+    sessions, a frozen worker) is killed at the end of the test. Workers found later are tracked as
+    `tests.run_helpers.Process` (pidfds): a bare id could by then name another test's process."""
     processes: list[subprocess.Popen] = []
-    pids: set[int] = set()
+    tracked: list = []
 
     def start(command: list[str], log: Path, extra_env: dict | None = None) -> subprocess.Popen:
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -118,12 +119,10 @@ def launched():
         processes.append(process)
         return process
 
-    start.track = pids.update  # workers found later
+    start.track = tracked.extend  # workers found later
     yield start
-    for pid in pids | {p.pid for p in processes}:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    for worker in tracked:
+        worker.signal(signal.SIGKILL)
     for process in processes:
+        process.kill()  # Popen signals only a child it has not reaped: never a reused id
         process.wait(timeout=30)

@@ -5,9 +5,13 @@ from __future__ import annotations
 import json
 import os
 import random
+import select
+import signal
 import subprocess
 import sys
 import time
+import weakref
+from contextlib import suppress
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -108,31 +112,52 @@ def run_script_main(monkeypatch, script: str, arguments: list[str]) -> None:
 # ---- runs started in the background and signalled (the `launched` fixture starts them) -------------
 
 
-def children(pid: int) -> list[int]:
-    """The live children of `pid`, oldest first (torchrun starts local rank 0 first)."""
+class Process:
+    """A process held by a pidfd, not by its id: a signal or a liveness check reaches that process or
+    nothing. Ids wrap at kernel.pid_max (32768 here) and a suite run takes about 7,000 of them (every
+    process and every thread takes one), so a bare id kept past its process's end may come to name a
+    newer process of another test, or a thread of a pytest worker (a signal to a thread's id reaches
+    its whole process)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.fd = os.pidfd_open(pid)  # ProcessLookupError if it is gone already
+        weakref.finalize(self, os.close, self.fd)
+
+    def alive(self) -> bool:
+        """Not yet ended (a pidfd turns readable when its process ends)."""
+        return not select.select([self.fd], [], [], 0)[0]
+
+    def signal(self, sig: int) -> None:
+        """Send `sig` unless the process has ended."""
+        with suppress(ProcessLookupError):
+            signal.pidfd_send_signal(self.fd, sig)
+
+    def environ(self) -> dict[str, str]:
+        pairs = Path("/proc", str(self.pid), "environ").read_bytes().split(b"\0")
+        return dict(pair.decode(errors="replace").split("=", 1) for pair in pairs if b"=" in pair)
+
+
+def children(pid: int) -> list[Process]:
+    """The live children of `pid`, oldest first (by start time: ids are not ordered once they wrap)."""
     found = []
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
                 fields = Path("/proc", entry, "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
+                if int(fields[1]) == pid and fields[0] != "Z":  # fields after "(comm)": state, ppid, ...
+                    found.append((int(fields[19]), Process(int(entry))))  # starttime, in clock ticks
+            except OSError:  # ended meanwhile (ProcessLookupError is one)
                 continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                found.append(int(entry))
-    return sorted(found)
+    return [process for _, process in sorted(found, key=lambda item: (item[0], item[1].pid))]
 
 
-def alive(pid: int) -> bool:
-    try:
-        return Path("/proc", str(pid), "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def wait_gone(pids: list[int], timeout: float) -> float:
+def wait_gone(processes: list[Process], timeout: float) -> float:
     start = time.monotonic()
-    while any(alive(pid) for pid in pids):
-        assert time.monotonic() - start < timeout, f"processes {pids} still alive after {timeout:.0f} s"
+    while any(process.alive() for process in processes):
+        assert time.monotonic() - start < timeout, (
+            f"processes {[p.pid for p in processes]} still alive after {timeout:.0f} s"
+        )
         time.sleep(0.1)
     return time.monotonic() - start
 

@@ -30,7 +30,7 @@ from tests.run_helpers import (
     TIMEOUT_S,
     TINY_CONFIG,
     TRAIN,
-    alive,
+    Process,
     check_ok,
     children,
     launch_train,
@@ -131,16 +131,17 @@ def stop_by_signalling_the_capture_rank(args: list[str], log: Path) -> None:
             [*wrapper, str(TRAIN), "--config", str(TINY_CONFIG), *args], cwd=REPO, env=env, stdout=out,
             stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
-    workers: list[int] = []
+    workers: list[Process] = []
     try:
         wait_for_line(log, "capture rank 0: holds", launcher)
         workers = children(launcher.pid)
-        os.kill(workers[0], signal.SIGUSR1)  # local rank 0, started first, is the capture rank
+        capture_rank = next(w for w in workers if w.environ().get("LOCAL_RANK") == "0")  # global rank 0
+        capture_rank.signal(signal.SIGUSR1)
         assert launcher.wait(timeout=TIMEOUT_S) == EXIT_STOPPED, log.read_text()[-4000:]
     finally:
-        for pid in (launcher.pid, *workers):
-            if alive(pid):
-                os.kill(pid, signal.SIGKILL)
+        launcher.kill()
+        for worker in workers:
+            worker.signal(signal.SIGKILL)
 
 
 @pytest.fixture(scope="module")

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import suppress
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,7 @@ from tests.run_helpers import (
     TIMEOUT_S,
     TINY_CONFIG,
     TRAIN,
-    alive,
+    Process,
     check_ok,
     children,
     launch_train,
@@ -143,7 +144,7 @@ def test_fsdp_launcher_death_frozen_rank_and_forwarded_usr1_lose_no_step(common,
     job, workers = started_until_step(
         launched, train_command(2, args), log, stopped + rng.randint(1, 2), frozen_env
     )
-    os.kill(workers[rng.randrange(2)], signal.SIGSTOP)
+    workers[rng.randrange(2)].signal(signal.SIGSTOP)
     start = time.monotonic()
     job.wait(timeout=FROZEN_TIMEOUT_S + 60)
     wait_gone(workers, timeout=30)
@@ -160,7 +161,7 @@ def test_fsdp_launcher_death_frozen_rank_and_forwarded_usr1_lose_no_step(common,
     launcher, workers = started_until_step(launched, wrapped(2, args), log, stopped + rng.randint(1, 2))
     launcher.send_signal(signal.SIGUSR1)
     for worker in workers:
-        os.kill(worker, signal.SIGTERM)
+        worker.signal(signal.SIGTERM)
     assert launcher.wait(timeout=TIMEOUT_S) == EXIT_STOPPED, log.read_text()[-4000:]
     assert "aborting" not in log.read_text()  # the forwarded repeat was the same request
     assert_stopped_without_loss(run_dir, at_least=stopped + 1)
@@ -181,7 +182,7 @@ def test_deepspeed_ranks_agree_to_stop_when_one_rank_gets_the_signal(common, lau
 
     log = tmp_path / "usr1.log"
     launcher, workers = started_until_step(launched, wrapped(2, args), log, rng.randint(1, 4))
-    os.kill(workers[rng.randrange(2)], signal.SIGUSR1)
+    workers[rng.randrange(2)].signal(signal.SIGUSR1)
     assert launcher.wait(timeout=TIMEOUT_S) == EXIT_STOPPED, log.read_text()[-4000:]
     assert_stopped_without_loss(run_dir, at_least=1)
 
@@ -289,6 +290,19 @@ print(stop_request.describe(), flush=True)
 """
 
 
+def test_a_held_process_is_signalled_while_it_lives_and_never_after():
+    """The tests signal workers through pidfds (tests.run_helpers.Process): once the process has
+    ended and been reaped, its id is free for any later process or thread, and the handle reaches
+    nothing."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    held = Process(child.pid)
+    assert held.alive()
+    held.signal(signal.SIGKILL)
+    assert child.wait(timeout=30) == -signal.SIGKILL
+    assert not held.alive()
+    held.signal(signal.SIGKILL)  # reaped: the handle reaches nothing, whoever has the id now
+
+
 def test_a_worker_is_told_to_stop_when_its_launcher_dies(launched, tmp_path):
     out, script = tmp_path / "worker.out", tmp_path / "worker.py"
     script.write_text(LAUNCHED_WORKER)
@@ -300,7 +314,7 @@ def test_a_worker_is_told_to_stop_when_its_launcher_dies(launched, tmp_path):
     while not (out.exists() and out.read_text().strip()):
         assert time.monotonic() < deadline and launcher.poll() is None, (tmp_path / "log").read_text()
         time.sleep(0.05)
-    worker = int(out.read_text().split()[0])
+    worker = Process(int(out.read_text().split()[0]))  # alive: it waits for its launcher's death
     launched.track([worker])
     launcher.kill()
     launcher.wait()
@@ -322,13 +336,18 @@ def test_a_failed_collective_ends_the_workers_of_its_job_and_nothing_else(launch
     )
     launched(["bash", "-c", script], tmp_path / "log")
     deadline = time.monotonic() + 60
-    while not all((tmp_path / name).exists() for name in ("other", "sibling")):
+    while not all(
+        (tmp_path / name).exists() and (tmp_path / name).read_text().strip() for name in ("other", "sibling")
+    ):
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    other, sibling = (int((tmp_path / name).read_text()) for name in ("other", "sibling"))
-    launched.track([other, sibling])
-    wait_gone([sibling], timeout=30)
-    assert alive(other)
+    other = Process(int((tmp_path / "other").read_text()))  # alive: it sleeps 60 s
+    launched.track([other])
+    with suppress(ProcessLookupError):  # else the worker has ended it already
+        sibling = Process(int((tmp_path / "sibling").read_text()))
+        launched.track([sibling])
+        wait_gone([sibling], timeout=30)
+    assert other.alive()
 
 
 def test_launcher_exit_code_is_the_workers():

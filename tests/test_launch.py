@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 
 from dflash2.errors import EXIT_STOPPED, EXIT_USER_ERROR
 from dflash2.faults import STOP_MARKER
-from tests.run_helpers import check_ok, launch_train, metrics, tiny_subset
+from tests.run_helpers import Process, check_ok, launch_train, metrics, tiny_subset
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
@@ -430,9 +430,8 @@ def slurm_cluster(tmp_path_factory):
         ]
         for command, pid_file in daemons:
             subprocess.run(command, env=env, check=True, capture_output=True)
-            started.append(
-                int(wait_for(lambda p=root / pid_file: p.exists() and p.read_text().strip(), 20, pid_file))
-            )
+            pid = int(wait_for(lambda p=root / pid_file: p.exists() and p.read_text().strip(), 20, pid_file))
+            started.append(Process(pid))  # a pidfd: the teardown signals this daemon or nothing
         wait_for(
             lambda: (
                 subprocess.run(["sinfo", "-h", "-N", "-o", "%T"], env=env, capture_output=True, text=True)
@@ -445,11 +444,8 @@ def slurm_cluster(tmp_path_factory):
         )
         yield env
     finally:
-        for pid in reversed(started):
-            try:
-                os.kill(pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
+        for daemon in reversed(started):
+            daemon.signal(signal.SIGTERM)
 
 
 def job_state(env: dict, job_id: str) -> str:
