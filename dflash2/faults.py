@@ -200,13 +200,18 @@ def _children_of(parent: int) -> list[int]:
     return children
 
 
+def process_environ(pid: int) -> dict[str, str]:
+    """The environment process `pid` started with, from /proc (OSError if it is gone or not ours)."""
+    pairs = Path("/proc", str(pid), "environ").read_bytes().split(b"\0")
+    return dict(pair.decode(errors="replace").split("=", 1) for pair in pairs if b"=" in pair)
+
+
 def _job_of(pid: int) -> tuple[str, ...] | None:
     """(MASTER_ADDR, MASTER_PORT, WORLD_SIZE) of a launched worker, None for any other process."""
     try:
-        pairs = Path("/proc", str(pid), "environ").read_bytes().split(b"\0")
+        env = process_environ(pid)
     except OSError:
         return None
-    env = dict(pair.decode(errors="replace").split("=", 1) for pair in pairs if b"=" in pair)
     if "RANK" not in env:
         return None
     return tuple(env.get(name, "") for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE"))

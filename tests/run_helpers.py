@@ -14,6 +14,8 @@ import weakref
 from contextlib import suppress
 from pathlib import Path
 
+from dflash2.faults import process_environ
+
 REPO = Path(__file__).resolve().parents[1]
 TINY_CONFIG = REPO / "configs" / "tiny-dflash2.yaml"
 TRAIN = REPO / "launch" / "train.py"
@@ -134,8 +136,7 @@ class Process:
             signal.pidfd_send_signal(self.fd, sig)
 
     def environ(self) -> dict[str, str]:
-        pairs = Path("/proc", str(self.pid), "environ").read_bytes().split(b"\0")
-        return dict(pair.decode(errors="replace").split("=", 1) for pair in pairs if b"=" in pair)
+        return process_environ(self.pid)
 
 
 def children(pid: int) -> list[Process]:
