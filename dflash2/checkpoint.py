@@ -120,6 +120,7 @@ def _as_json(obj: Any) -> Any:
 RUN_CONTRACT_KEYS = {
     "selector_loss_alpha": "objective.selector_loss_alpha",
     "selector_mode": "objective.selector_mode",
+    "selector_grad": "objective.selector_grad",
     "loss_gamma": "objective.loss_gamma",
     "position_weighting": "objective.position_weighting",
     "position_decay": "objective.position_decay",
@@ -149,6 +150,7 @@ CONTRACT_FIELDS_ADDED = {
     "distill_temperature": 1.0,
     "position_weighting": "gamma",
     "position_decay": 0.8,
+    "selector_grad": "backbone",
 }
 # Fields whose config key existed before it joined the contract: what a checkpoint without one was
 # trained with is not recorded (any value was possible), so an absent field is not compared.

@@ -83,6 +83,10 @@ class ObjectiveSection(_Section):
     loss_gamma: float | None = Field(None, gt=0)  # slot k weighted exp(-(k-1)/gamma); None = uniform
     selector_loss_alpha: float = Field(1.0, ge=0)
     selector_mode: Literal["insert", "strict"] = "insert"
+    # what the selector loss trains: "backbone" = the selector and, through the slot states and their
+    # unary logits, the draft's layers too; "selector" = the selector's own weights alone (the draft's
+    # layers learn from the block loss only)
+    selector_grad: Literal["backbone", "selector"] = "backbone"
     logits_chunk_rows: int = Field(1024, ge=1)  # rows of [supervised slots, V] logits alive at once
     coverage_top_k: int = Field(16, ge=1)  # top-k of the coverage metrics when the draft has no selector
     # the block loss: ce_weight * CE(label) + kl_weight * KL(p_target || q_draft) + tv_weight * TV,

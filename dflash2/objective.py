@@ -625,6 +625,8 @@ def _selector_term(
     """The selector's weighted CE sum over the supervised rows (labels y [R]) and its metric sums. The
     predecessors are the data's tokens (teacher forcing), whatever the labels."""
     w, pred = blocks.weights[rows], blocks.predecessors[rows]
+    if cfg.selector_grad == "selector":
+        h = h.detach()  # the slot states and the unary logits made from them: constants of this term
     scores, gold_index, in_topk = selector_scores(
         selector, h, head, topk_ids, y, pred, cfg.output_multiplier, cfg.softcap, cfg.selector_mode
     )

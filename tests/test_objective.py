@@ -230,6 +230,32 @@ def test_gradients_reach_codebooks_projection_and_layers():
         assert dict(draft.named_parameters())[name].grad.abs().sum() > 0, name
 
 
+def test_selector_grad_selector_trains_the_layers_on_the_block_loss_alone():
+    """objective.selector_grad=selector: the draft's layers get the gradient of the block loss alone
+    (what alpha 0 gives them) and the selector the same gradient as with the default, at the same loss."""
+    draft, head, batch = random_draft(seed=6), random_head(), make_batch(2)
+
+    def run(**settings):
+        cfg = ObjectiveConfig.for_draft(draft, num_anchors=5, logits_chunk_rows=3, **settings)
+        draft.zero_grad()
+        out = compute_objective(draft, head, batch, cfg, torch.Generator().manual_seed(1))
+        out.loss_sum.backward()
+        return out.loss_sum.detach(), grads(draft)
+
+    loss_coupled, coupled = run(selector_loss_alpha=0.5)
+    loss_alone, alone = run(selector_loss_alpha=0.5, selector_grad="selector")
+    _, block_only = run(selector_loss_alpha=0.0)
+    torch.testing.assert_close(loss_alone, loss_coupled)
+    assert set(alone) == set(coupled)
+    for name, got in alone.items():
+        want = coupled[name] if name.startswith("candidate_selector.") else block_only[name]
+        torch.testing.assert_close(got, want, msg=name)
+    # the default does send the selector's gradient into the layers
+    assert not torch.allclose(
+        coupled["layers.0.self_attn.q_proj.weight"], alone["layers.0.self_attn.q_proj.weight"]
+    )
+
+
 def test_batch_without_valid_anchor_is_a_clear_error():
     batch = make_batch()
     batch["loss_mask"] = torch.zeros_like(batch["loss_mask"])

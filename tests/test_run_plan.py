@@ -25,6 +25,8 @@ COMMON = {
     "target_layer_ids": [1, 3, 4], "tv_weight": 0.0, "final_logit_softcapping": None,
     # joined the contract later (checkpoint.CONTRACT_FIELDS_UNRECORDED), at the values these runs train with
     "labels": "data", "loss_vocab_size": None, "supervised_tokens": "replies",
+    # joined later with its key (checkpoint.CONTRACT_FIELDS_ADDED), at the value older runs behaved as
+    "selector_grad": "backbone",
 }  # fmt: skip
 FROZEN = {
     "tiny-dflash.yaml": {
