@@ -1,7 +1,7 @@
 PY ?= .venv/bin/python
 PIP ?= .venv/bin/pip
 
-.PHONY: install test lint format tiny smollm2 demo demo-real clean
+.PHONY: install test lint format tiny smollm2 demo demo-real demo-real-long clean
 
 install: .venv/.installed
 
@@ -34,6 +34,10 @@ demo: install
 
 demo-real: smollm2
 	$(PY) launch/demo_real.py
+
+# the longer budget (docs/training.md, "The longer budget end to end"): 1500 replies, 3-layer drafts, 2500 steps
+demo-real-long: smollm2
+	$(PY) launch/demo_real.py --out runs/demo-real-long --regen-samples 1500 --draft-layers 3 --steps 2500
 
 lint: install
 	$(PY) -m ruff check .
