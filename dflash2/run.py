@@ -7,7 +7,8 @@
                     train the draft, sharded among themselves, with only the target's embedding and
                     LM head (never the whole target)
 
-Entry points: `run` (launch/train.py) and `run_offline_capture` (data_prep/capture.py).
+Entry points: `run` (launch/train.py), `run_offline_capture` (data_prep/capture.py) and
+`regenerate_and_capture` (data_prep/regenerate.py --capture-config).
 
 Faults (dflash2.faults): a stop signal ends every rank after the same step with a checkpoint, in
 either topology (capture ranks stop when the trainers have); every process group waits at most
@@ -24,11 +25,13 @@ import torch
 import torch.distributed as dist
 
 from dflash2.capture.features import capture_samples
+from dflash2.capture.fused import StagedFeatures, finish_fused_capture, regeneration_stamp
 from dflash2.capture.offline import OfflineFeatures, capture_to_dir, feature_identity
 from dflash2.capture.transfer import FeatureReceiver, FeatureSender, capture_schedule
 from dflash2.config import RunConfig, save_run_config
 from dflash2.data.loader import step_batches
 from dflash2.data.prepare import build_dataset
+from dflash2.data.regenerate import LocalTargetGenerator, regenerate_file
 from dflash2.distributed import Backend, backend_class, init_distributed, shutdown_distributed
 from dflash2.faults import collective_section, collective_timeout, stop_request
 from dflash2.hardware import warn_if_slow_bf16
@@ -111,6 +114,50 @@ def run_offline_capture(cfg: RunConfig, out_dir: str | Path, *, batch_size: int,
     )
     shutdown_distributed()
     return out
+
+
+def regenerate_and_capture(
+    cfg: RunConfig,
+    input_path: str | Path,
+    model: torch.nn.Module,
+    features_out: str | Path,
+    *,
+    max_new_tokens: int,
+    batch_size: int,
+    on_error: str,
+    shard_bytes: int,
+) -> dict[str, int]:
+    """Regenerate `input_path` into data.train of run `cfg` with the local target `model` (loaded in
+    the run's target dtype), keeping the run's features on the way, then write the features
+    directory `features_out` for it (dflash2.capture.fused). Returns regenerate_file's counts and
+    finish_fused_capture's."""
+    plan = resolve_run(cfg)
+    stamp = regeneration_stamp(cfg, plan.layer_ids)
+    template_kwargs = dict(cfg.data.chat_template_kwargs)
+    generator = LocalTargetGenerator(model, plan.tokenizer, max_new_tokens, template_kwargs, plan.layer_ids)
+    sink = StagedFeatures(features_out, stamp, plan.target_hidden_size)
+    counts = regenerate_file(
+        input_path, cfg.data.train, generator, batch_size=batch_size, on_error=on_error, feature_sink=sink
+    )
+    plan = resolve_run(cfg)  # the identity of the regenerated file as it now is
+    dataset = build_dataset(cfg.data, plan.tokenizer, is_main=True)
+    finished = finish_fused_capture(
+        features_out,
+        dataset,
+        feature_identity(cfg, plan.layer_ids, plan.identity),
+        stamp,
+        model,
+        layer_ids=plan.layer_ids,
+        pad_token_id=plan.pad_token_id,
+        batch_size=batch_size,
+        shard_bytes=shard_bytes,
+    )
+    print(
+        f"[dflash2] features of {len(dataset)} samples in {features_out}: {finished['num_staged']} kept from "
+        f"the regeneration, {finished['num_captured']} captured by a forward",
+        flush=True,
+    )
+    return {**counts, **finished}
 
 
 # ------------------------------------------------------------------ disaggregated

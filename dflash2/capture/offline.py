@@ -8,7 +8,10 @@ Layout of a features directory:
   manifest.json                   identities of the target config, tokenizer and data, the layer ids,
                                   the target dtype, max_length, the shard and length of every sample,
                                   and `last_hidden_dim` (H; absent in directories captured before the
-                                  last hidden state was stored: they serve the cross-entropy only)
+                                  last hidden state was stored: they serve the cross-entropy only);
+                                  format 2 (features kept during regeneration, `fused.py`) also names
+                                  each sample's tensor in its shard (`sample_keys`), whose first
+                                  `sample_length` positions are the sample's
 The manifest is written last, by rank 0, after every rank has closed its shards: a crash mid-capture
 leaves no manifest, and a directory without one is refused.
 """
@@ -32,6 +35,7 @@ from dflash2.identity import RunIdentity
 
 MANIFEST = "manifest.json"
 FORMAT = "dflash2-features/1"
+FORMAT_KEYED = "dflash2-features/2"  # with sample_keys
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 PRECISION_OF_DTYPE = {"float32": "fp32", "bfloat16": "bf16"}  # manifest dtype -> run config precision name
 VALIDATED_FIELDS = ("target", "tokenizer", "data", "chat_template_kwargs", "max_length", "target_layer_ids")
@@ -81,7 +85,7 @@ class _ShardWriter:
         self.buffer, self.buffered_bytes, self.num_shards = {}, 0, self.num_shards + 1
 
 
-def last_hidden_name(index: int) -> str:
+def last_hidden_name(index: int | str) -> str:
     return f"{index}.last_hidden"
 
 
@@ -123,16 +127,22 @@ def capture_dataset(
 
 
 def write_manifest(
-    out_dir: Path, identity: dict, sample_shard: dict[int, str], lengths: list[int], meta: dict
+    out_dir: Path,
+    identity: dict,
+    sample_shard: dict[int, str],
+    lengths: list[int],
+    meta: dict,
+    sample_keys: list[str] | None = None,
 ) -> None:
-    """Atomically write the manifest (rank 0, after all shards exist)."""
+    """Atomically write the manifest (rank 0, after all shards exist); `sample_keys`: each sample's
+    tensor name in its shard (format 2; default: the sample's index)."""
     num_samples = len(lengths)
     missing = [i for i in range(num_samples) if i not in sample_shard]
     assert not missing, f"no shard holds samples {missing[:10]}"
     shards = sorted(set(sample_shard.values()))
     shard_index = {name: i for i, name in enumerate(shards)}
     manifest = {
-        "format": FORMAT,
+        "format": FORMAT if sample_keys is None else FORMAT_KEYED,
         **identity,
         **meta,
         "num_samples": num_samples,
@@ -140,6 +150,8 @@ def write_manifest(
         "sample_shard": [shard_index[sample_shard[i]] for i in range(num_samples)],
         "sample_length": lengths,
     }
+    if sample_keys is not None:
+        manifest["sample_keys"] = sample_keys
     tmp = out_dir / f".{MANIFEST}.tmp"
     tmp.write_text(json.dumps(manifest) + "\n")
     os.replace(tmp, out_dir / MANIFEST)
@@ -217,9 +229,9 @@ class OfflineFeatures:
                 "finish); run data_prep/capture.py --config <run config> --out <features_dir> first"
             )
         self.manifest = json.loads(path.read_text())
-        if self.manifest.get("format") != FORMAT:
+        if self.manifest.get("format") not in (FORMAT, FORMAT_KEYED):
             raise ValueError(
-                _mismatch_message(self.features_dir, "format", self.manifest.get("format"), FORMAT)
+                _mismatch_message(self.features_dir, "format", self.manifest.get("format"), FORMAT_KEYED)
             )
         for field in VALIDATED_FIELDS:
             if self.manifest.get(field) != expected[field]:
@@ -271,10 +283,12 @@ class OfflineFeatures:
         if not 0 <= index < self.num_samples:
             raise ValueError(f"sample {index} is not in the features ({self.num_samples} samples captured)")
         shard = self._shard(self.manifest["sample_shard"][index])
-        features = shard.get_tensor(str(index))
+        key = self.manifest["sample_keys"][index] if "sample_keys" in self.manifest else str(index)
+        length = int(self.manifest["sample_length"][index])
+        features = shard.get_slice(key)[:length]
         if not self.last_hidden:
             return features
-        return torch.cat([features, shard.get_tensor(last_hidden_name(index))], dim=-1)
+        return torch.cat([features, shard.get_slice(last_hidden_name(key))[:length]], dim=-1)
 
     def batch(self, indices: list[int], seq_len: int) -> torch.Tensor:
         """[b, seq_len, K*H] (or K*H + H, see the class): the samples' features, right-padded with zeros."""

@@ -4,6 +4,9 @@ Each assistant turn is replaced, turn by turn, by what the target answers given 
 regenerated history; system and user turns are kept; a prompt-only record (no assistant turn) gets
 the target's reply appended. A local target's reply also keeps the exact ids it generated
 (`token_ids`, without the stop token), which training uses instead of re-tokenising the text.
+With `record_layer_ids` it also keeps the run's features of the conversation it completes (the
+target's layer outputs from the generation's own forwards, `dflash2.target.recorded_generate`),
+which `regenerate_file` hands to a `FeatureSink` (`dflash2.capture.fused` stages them to disk).
 Two generators:
 - `LocalTargetGenerator`: a Hugging Face causal LM, batched, left-padded `generate`.
 - `ServerGenerator`: an OpenAI-compatible `/v1/chat/completions` server (SGLang, vLLM).
@@ -29,7 +32,8 @@ from typing import Any, Protocol
 import torch
 
 from dflash2.data.jsonl import Sample, SampleError, iter_lines, parse_sample
-from dflash2.data.render import encode_prompt, stop_token_ids
+from dflash2.data.render import encode_prompt, render_with_token_ids, stop_token_ids
+from dflash2.target.recorded_generate import check_full_attention, generate_recording
 
 logger = logging.getLogger(__name__)
 Messages = list[dict[str, str]]
@@ -41,6 +45,10 @@ class Reply:
     token_ids: list[int] | None = (
         None  # the ids the target generated for `text`; None when unknown (a server)
     )
+    # with record_layer_ids: the rendered conversation (history and this reply) and its features
+    # [len(feature_ids), (K+1)*H]; None when not recorded
+    feature_ids: list[int] | None = None
+    features: torch.Tensor | None = None
 
 
 class ReplyGenerator(Protocol):
@@ -49,8 +57,16 @@ class ReplyGenerator(Protocol):
         ...
 
 
+class FeatureSink(Protocol):
+    def add(self, ids: list[str], replies: list[Reply | str]) -> None:
+        """Keep the features of the finished conversations `ids` (each one's last reply); called
+        before their lines are written, so a line on disk always has its features staged."""
+        ...
+
+
 class LocalTargetGenerator:
-    """Greedy replies from a local Hugging Face target, one left-padded batch per call."""
+    """Greedy replies from a local Hugging Face target, one left-padded batch per call; with
+    `record_layer_ids`, each reply also carries the features of its conversation at those layers."""
 
     def __init__(
         self,
@@ -58,31 +74,62 @@ class LocalTargetGenerator:
         tokenizer: Any,
         max_new_tokens: int,
         chat_template_kwargs: dict[str, Any] | None = None,
+        record_layer_ids: Sequence[int] | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
         self.max_new_tokens = max_new_tokens
         self.chat_template_kwargs = chat_template_kwargs or {}
         self.stop_ids = set(stop_token_ids(tokenizer, model))
+        self.record_layer_ids = None if record_layer_ids is None else list(record_layer_ids)
         if tokenizer.pad_token_id is None:
             raise ValueError(
                 "the tokenizer has no pad_token; set one (e.g. its eos token) before batched generation"
             )
+        if self.record_layer_ids is not None:
+            check_full_attention(model)
 
     @torch.no_grad()
     def generate(self, histories: Sequence[Messages]) -> list[Reply]:
         prompts = [encode_prompt(history, self.tokenizer, self.chat_template_kwargs) for history in histories]
         input_ids, attention_mask = _left_pad(prompts, self.tokenizer.pad_token_id)
+        settings = dict(
+            do_sample=False, max_new_tokens=self.max_new_tokens, eos_token_id=sorted(self.stop_ids)
+        )
+        if self.record_layer_ids is not None:
+            return self._generate_recording(histories, input_ids, attention_mask, settings)
         device = next(self.model.parameters()).device
         output = self.model.generate(
             input_ids=input_ids.to(device),
             attention_mask=attention_mask.to(device),
-            do_sample=False,
-            max_new_tokens=self.max_new_tokens,
-            eos_token_id=sorted(self.stop_ids),
             pad_token_id=self.tokenizer.pad_token_id,
+            **settings,
         )
         return [self._reply(row) for row in output[:, input_ids.shape[1] :].tolist()]
+
+    def _generate_recording(self, histories, input_ids, attention_mask, settings) -> list[Reply]:
+        recorded = generate_recording(
+            self.model,
+            self.record_layer_ids,
+            input_ids,
+            attention_mask,
+            self.tokenizer.pad_token_id,
+            **settings,
+        )
+        replies = [self._reply(row) for row in recorded.generated.tolist()]
+        conversations = []
+        for history, reply in zip(histories, replies):
+            turn = {"role": "assistant", "content": reply.text, "token_ids": reply.token_ids}
+            try:
+                ids, _, _ = render_with_token_ids([*history, turn], self.tokenizer, self.chat_template_kwargs)
+            except SampleError:  # not renderable as training renders it: the finish captures it
+                ids = None
+            conversations.append(ids)
+        features = recorded.features(conversations)
+        return [
+            Reply(reply.text, reply.token_ids, ids, feats)
+            for reply, ids, feats in zip(replies, conversations, features)
+        ]
 
     def _reply(self, new_ids: list[int]) -> Reply:
         """The ids up to (not including) the first stop token, and their text."""
@@ -164,10 +211,18 @@ def regenerate_conversations(conversations: Sequence[Messages], generator: Reply
     conversation without an assistant turn (a prompt) gets one reply appended. A reply's
     `token_ids` are kept in its turn; the generator sees the history as role and content only.
     """
+    return _regenerate(conversations, generator)[0]
+
+
+def _regenerate(
+    conversations: Sequence[Messages], generator: ReplyGenerator
+) -> tuple[list[Messages], list[Reply | str]]:
+    """regenerate_conversations, and each conversation's last reply as the generator gave it."""
     conversations = [
         c if any(t["role"] == "assistant" for t in c) else [*c, {"role": "assistant"}] for c in conversations
     ]
     results: list[Messages] = [[] for _ in conversations]
+    last_replies: list[Reply | str] = [""] * len(conversations)
     positions = [0] * len(conversations)
     while True:
         waiting = []  # conversations whose next turn is an assistant turn
@@ -178,10 +233,11 @@ def regenerate_conversations(conversations: Sequence[Messages], generator: Reply
             if positions[i] < len(conversation):
                 waiting.append(i)
         if not waiting:
-            return results
+            return results, last_replies
         histories = [[{"role": t["role"], "content": t["content"]} for t in results[i]] for i in waiting]
         for i, reply in zip(waiting, generator.generate(histories), strict=True):
             results[i].append(_reply_turn(reply))
+            last_replies[i] = reply
             positions[i] += 1
 
 
@@ -200,8 +256,10 @@ def regenerate_file(
     generator: ReplyGenerator,
     batch_size: int = 8,
     on_error: str = "skip",
+    feature_sink: FeatureSink | None = None,
 ) -> dict[str, int]:
-    """Regenerate a training_jsonl file into `output_path`, resuming from what is already there.
+    """Regenerate a training_jsonl file into `output_path`, resuming from what is already there
+    (`feature_sink`: given each batch's last replies before their lines are written).
 
     Returns counts: `num_done_before` (skipped, already in the output), `num_written`,
     `num_invalid` (malformed input lines), `num_empty_replies`.
@@ -225,9 +283,10 @@ def regenerate_file(
     with open(output_path, "a", encoding="utf-8") as out:
         for first in range(0, len(samples), batch_size):
             batch = samples[first : first + batch_size]
-            for sample, conversation in zip(
-                batch, regenerate_conversations([s.messages for s in batch], generator)
-            ):
+            conversations, last_replies = _regenerate([s.messages for s in batch], generator)
+            if feature_sink is not None:
+                feature_sink.add([s.id for s in batch], last_replies)
+            for sample, conversation in zip(batch, conversations):
                 empty = sum(
                     turn["role"] == "assistant" and not turn["content"].strip() for turn in conversation
                 )
