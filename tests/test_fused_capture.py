@@ -36,10 +36,11 @@ def _reference(model, ids: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("family", FULL_ATTENTION_FAMILIES)
 def test_recorded_generation_equals_one_forward_over_each_conversation(family):
     """Prompts of different lengths (left padding), replies cut at different places (a stop token
-    early in one row, the whole generation in another) and tails the generation never read."""
+    early in one row, the whole generation in another) and tails the generation never read; a row
+    whose conversation does not start with its prompt gets None."""
     model = build_model(family)
     generator = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (5, 11, 8)]
+    prompts = [torch.randint(3, VOCAB, (n,), generator=generator).tolist() for n in (5, 11, 8, 6)]
     input_ids, attention_mask = _left_pad(prompts, pad_id=0)
     recorded = generate_recording(
         model, LAYER_IDS, input_ids, attention_mask, 0, do_sample=False, max_new_tokens=12, eos_token_id=[2]
@@ -48,7 +49,8 @@ def test_recorded_generation_equals_one_forward_over_each_conversation(family):
     cuts = (3, 12, 0)  # tokens of the reply kept: some, all generated, none
     tails = ([7, 9], [5], [4, 4, 4])
     conversations = [p + g[:cut] + tail for p, g, cut, tail in zip(prompts, generated, cuts, tails)]
-    features = recorded.features(conversations)
+    features = recorded.features([*conversations, prompts[0] + generated[3][:2]])
+    assert features[3] is None
     for conversation, kept in zip(conversations, features):
         reference = _reference(model, conversation)
         assert kept.shape == reference.shape

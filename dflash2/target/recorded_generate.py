@@ -58,25 +58,27 @@ class RecordedGeneration:
 
     @torch.no_grad()
     def features(self, conversations: Sequence[Sequence[int] | None]) -> list[torch.Tensor | None]:
-        """Features [len(ids), (K+1)*H] of each row's whole conversation `ids` (None: not wanted). A
-        conversation must start with the row's prompt followed by some of its generated tokens; the
-        rest is read here. Call once: the forward appends to the cache."""
+        """Features [len(ids), (K+1)*H] of each row's whole conversation `ids`; None for a row whose
+        conversation is None or does not start with the row's prompt (its features are not the
+        generation's). The tokens after the prompt and the generated ones it shares are read here.
+        Call once: the forward appends to the cache."""
         assert len(conversations) == self.sequences.shape[0]
         prompt_width = self.input_ids.shape[1]
         num_read = self.read.shape[1] - prompt_width  # generated tokens the target read
         prompt_lengths = self.attention_mask.sum(dim=1).tolist()
+        conversations = [
+            ids
+            if ids is not None and list(ids[:length]) == self.input_ids[row, prompt_width - length :].tolist()
+            else None
+            for row, (ids, length) in enumerate(zip(conversations, prompt_lengths))
+        ]
         kept, rests = [], []
         for row, ids in enumerate(conversations):
             if ids is None:
                 kept.append(0)
                 rests.append([])
                 continue
-            start = prompt_width - prompt_lengths[row]
-            prompt = self.input_ids[row, start:].tolist()
-            assert list(ids[: len(prompt)]) == prompt, (
-                f"row {row}: the conversation does not start with its prompt"
-            )
-            reply = list(ids[len(prompt) :])
+            reply = list(ids[prompt_lengths[row] :])
             same = _common_prefix(reply, self.generated[row, :num_read].tolist())
             kept.append(same)
             rests.append(reply[same:])
