@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -35,6 +36,7 @@ from dflash2.data.regenerate import LocalTargetGenerator, regenerate_file
 from dflash2.distributed import Backend, backend_class, init_distributed, shutdown_distributed
 from dflash2.faults import collective_section, collective_timeout, stop_request
 from dflash2.hardware import warn_if_slow_bf16
+from dflash2.identity import data_identity
 from dflash2.run_plan import RunPlan, resolve_run
 from dflash2.train import build_setup, fit
 
@@ -132,19 +134,19 @@ def regenerate_and_capture(
     directory `features_out` for it (dflash2.capture.fused). Returns regenerate_file's counts and
     finish_fused_capture's."""
     plan = resolve_run(cfg)
-    stamp = regeneration_stamp(cfg, plan.layer_ids)
+    stamp = regeneration_stamp(cfg, plan.layer_ids, plan.identity)
     template_kwargs = dict(cfg.data.chat_template_kwargs)
     generator = LocalTargetGenerator(model, plan.tokenizer, max_new_tokens, template_kwargs, plan.layer_ids)
     sink = StagedFeatures(features_out, stamp, plan.target_hidden_size)
     counts = regenerate_file(
         input_path, cfg.data.train, generator, batch_size=batch_size, on_error=on_error, feature_sink=sink
     )
-    plan = resolve_run(cfg)  # the identity of the regenerated file as it now is
+    identity = replace(plan.identity, dataset=data_identity(cfg.data.train))  # the file as it now is
     dataset = build_dataset(cfg.data, plan.tokenizer, is_main=True)
     finished = finish_fused_capture(
         features_out,
         dataset,
-        feature_identity(cfg, plan.layer_ids, plan.identity),
+        feature_identity(cfg, plan.layer_ids, identity),
         stamp,
         model,
         layer_ids=plan.layer_ids,

@@ -26,20 +26,19 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from dflash2.capture.features import capture_samples, split_last_hidden
 from dflash2.capture.offline import MANIFEST, _ShardWriter, feature_identity, write_manifest
 from dflash2.config import RunConfig
-from dflash2.data.loader import collate
 from dflash2.data.regenerate import Reply
-from dflash2.identity import RunIdentity, target_identity, tokenizer_identity
-from dflash2.target.hooks import capture_layer_outputs
+from dflash2.distributed.local_backend import LocalBackend
+from dflash2.identity import RunIdentity
 
 STAGED_GLOB = "fused-*.safetensors"
 
 
-def regeneration_stamp(cfg: RunConfig, layer_ids: list[int]) -> dict:
+def regeneration_stamp(cfg: RunConfig, layer_ids: list[int], identity: RunIdentity) -> dict:
     """What staged features are features of: feature_identity less the data and max_length (the
     finish checks each sample's token ids against the prepared data instead)."""
-    identity = RunIdentity(target_identity(cfg.model.target), tokenizer_identity(cfg.model.target), "")
     stamp = feature_identity(cfg, layer_ids, identity)
     return {key: value for key, value in stamp.items() if key not in ("data", "max_length")}
 
@@ -95,7 +94,6 @@ def _staged_ids_match(out_dir: Path, place: tuple[str, str], input_ids: list[int
     return len(ids) >= len(input_ids) and ids[: len(input_ids)] == list(input_ids)
 
 
-@torch.no_grad()
 def _capture_rest(
     model,
     dataset,
@@ -105,25 +103,17 @@ def _capture_rest(
     pad_token_id: int,
     batch_size: int,
 ) -> None:
-    """One forward of the (unsharded) target per batch of the samples without staged features."""
-    device = next(model.parameters()).device
+    """The offline capture's forward (capture_samples, in this one process) for the samples without
+    staged features."""
+    backend = LocalBackend(device=next(model.parameters()).device)
     hidden_size = model.config.get_text_config().hidden_size
     for first in range(0, len(indices), batch_size):
         batch = indices[first : first + batch_size]
-        collated = collate([dataset[i] for i in batch], pad_token_id)
-        with capture_layer_outputs(model, layer_ids, last_hidden=True) as captured:
-            model(
-                input_ids=collated["input_ids"].to(device),
-                attention_mask=collated["attention_mask"].to(device),
-            )
-        features = captured.features().cpu()
+        captured = capture_samples(backend, model, dataset, batch, layer_ids, pad_token_id, True).cpu()
+        features, last_hidden = split_last_hidden(captured, hidden_size, True)
         for row, index in enumerate(batch):
             length = len(dataset[index]["input_ids"])
-            writer.add(
-                index,
-                features[row, :length, :-hidden_size].clone(),
-                features[row, :length, -hidden_size:].clone(),
-            )
+            writer.add(index, features[row, :length].clone(), last_hidden[row, :length].clone())
     writer.flush()
 
 
