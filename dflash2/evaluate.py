@@ -1,14 +1,16 @@
 """Evaluation of an exported draft against its target: the measured acceptance length tau and the
 wall-clock speedup over the target's own greedy decoding.
 
-Every prompt is decoded twice in this process, prompt by prompt, alternating which goes first (so
-the machine's load weighs on both alike): by speculative decoding (`dflash2.decode`) and by the
-target alone (greedy, KV-cached, one forward per token). The summary holds tau and its histogram,
+Every prompt is decoded in this process by speculative decoding (`dflash2.decode`) and by the
+target alone (greedy, KV-cached, one forward per token), prompt by prompt, the decodes taking turns
+at going first (so the machine's load weighs on all alike). Several drafts of one target are
+evaluated together: each prompt is decoded by the target alone once and by every draft, and every
+draft's speedup is over that one decode. The summary holds tau and its histogram,
 both speeds (`spec_tokens_per_s`, `target_tokens_per_s`) and their ratio (`speedup`), and for
 reference the tau of a draft-free prompt-lookup proposer on the target's outputs
 (`prompt_lookup_tau`); it goes to a JSON file, TensorBoard, a PNG and a printed table.
 
-CLI: python -m dflash2.evaluate --draft <export> --target <dir> --data <jsonl> [options]
+CLI: python -m dflash2.evaluate --draft <export> [<export> ...] --target <dir> --data <jsonl> [options]
 """
 
 from __future__ import annotations
@@ -264,25 +266,73 @@ def evaluate_prompts(
     speculative decodes (prompt by prompt, the two taking turns at going first), and add
     `speed_summary` and `prompt_lookup_summary` to the summary. `clock`: what both decodes' wall
     times are read from."""
-    generator = torch.Generator(device=next(target.parameters()).device).manual_seed(seed)
+    (evaluated,) = compare_drafts(
+        [draft],
+        target,
+        head,
+        prompts,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        stop_token_ids=stop_token_ids,
+        seed=seed,
+        compare_target=compare_target,
+        clock=clock,
+    )
+    return evaluated
+
+
+def compare_drafts(
+    drafts: Sequence[DFlashDraftModel],
+    target: nn.Module,
+    head: TargetHead,
+    prompts: list[list[int]],
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    stop_token_ids: Sequence[int] = (),
+    seed: int = 0,
+    compare_target: bool = True,
+    clock: Clock = time.perf_counter,
+) -> list[tuple[dict, list[GenerationResult]]]:
+    """`evaluate_prompts` for several drafts of one target at once: (summary, results) per draft, each
+    as `evaluate_prompts` alone would give it (every draft samples from its own generator seeded with
+    `seed`). Every prompt is decoded by the target alone once (`compare_target`) and by each draft;
+    the decodes of prompt i run in turn starting from the (i mod n)-th of [target alone, drafts...]
+    (n decodes a prompt), so each goes first as often as the others, and every draft's speedup is
+    over the same target-alone decodes."""
+    if not drafts:
+        raise ValueError("compare_drafts needs at least one draft")
+    device = next(target.parameters()).device
+    generators = [torch.Generator(device=device).manual_seed(seed) for _ in drafts]
     common = dict(max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, clock=clock)
-    results, target_results = [], []
+    results: list[list[GenerationResult]] = [[] for _ in drafts]
+    target_results: list[TargetResult] = []
+    decoders = ([None] if compare_target else []) + list(range(len(drafts)))  # None: the target alone
     for index, ids in enumerate(prompts):
-        target_first = index % 2 == 0
-        if compare_target and target_first:
-            target_results.append(timed_target_generate(target, ids, **common))
-        results.append(
-            speculative_generate(
-                draft, target, head, ids, temperature=temperature, generator=generator, **common
+        turn = index % len(decoders)
+        for which in decoders[turn:] + decoders[:turn]:
+            if which is None:
+                target_results.append(timed_target_generate(target, ids, **common))
+                continue
+            results[which].append(
+                speculative_generate(
+                    drafts[which],
+                    target,
+                    head,
+                    ids,
+                    temperature=temperature,
+                    generator=generators[which],
+                    **common,
+                )
             )
-        )
-        if compare_target and not target_first:
-            target_results.append(timed_target_generate(target, ids, **common))
-    summary = summarize(results, draft.block_size)
-    if compare_target:
-        summary.update(speed_summary(results, target_results))
-        summary.update(prompt_lookup_summary(prompts, target_results, draft.block_size))
-    return summary, results
+    evaluated = []
+    for draft, draft_results in zip(drafts, results):
+        summary = summarize(draft_results, draft.block_size)
+        if compare_target:
+            summary.update(speed_summary(draft_results, target_results))
+            summary.update(prompt_lookup_summary(prompts, target_results, draft.block_size))
+        evaluated.append((summary, draft_results))
+    return evaluated
 
 
 def greedy_mismatch_note(num_differing: int, num_prompts: int) -> str:
@@ -302,20 +352,33 @@ def load_models(
 ):
     """(draft, target, head, tokenizer) in eval mode, their weights laid out for decoding
     (`dflash2.target.state.use_decoding_layout`) unless `decoding_layout` is False."""
+    target, head, tokenizer = load_target(target_dir, device, dtype)
+    draft = load_draft_for(target, draft_dir, device, dtype)
+    if decoding_layout:
+        use_decoding_layout(target, draft, head)
+    return draft, target, head, tokenizer
+
+
+def load_target(target_dir: str | Path, device: str = "cpu", dtype=torch.float32):
+    """(target, head, tokenizer): the target in eval mode and its LM head, in `dtype`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
+    return target, TargetHead.from_target(target, dtype=dtype), tokenizer
+
+
+def load_draft_for(
+    target: nn.Module, draft_dir: str | Path, device: str = "cpu", dtype=torch.float32
+) -> DFlashDraftModel:
+    """The export at `draft_dir`, in `dtype` on `device`, refused when built for another vocabulary."""
     draft = load_draft(draft_dir, dtype=dtype).to(device)
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(
             f"draft vocab_size {draft.config.vocab_size} != target vocab_size {target.config.vocab_size}: "
-            "the draft was built for another target"
+            f"the draft {draft_dir} was built for another target"
         )
-    head = TargetHead.from_target(target, dtype=dtype)
-    if decoding_layout:
-        use_decoding_layout(target, draft, head)
-    return draft, target, head, tokenizer
+    return draft
 
 
 def run_settings(
@@ -363,18 +426,68 @@ def evaluate(
     """Load an export and its target, decode the first `num_prompts` prompts of `data_jsonl`,
     and return (and optionally write) the summary. `chat_template_kwargs` None: the training run's.
     `precision` ("fp32" | "bf16"): the dtype of the target, the draft and the head."""
+    (summary,) = evaluate_drafts(
+        [draft_dir],
+        target_dir,
+        data_jsonl,
+        num_prompts=num_prompts,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        seed=seed,
+        out_jsons=None if out_json is None else [out_json],
+        tb_dirs=None if tb_dir is None else [tb_dir],
+        plot_paths=None if plot_path is None else [plot_path],
+        device=device,
+        precision=precision,
+        chat_template_kwargs=chat_template_kwargs,
+    )
+    return summary
+
+
+def evaluate_drafts(
+    draft_dirs: Sequence[str | Path],
+    target_dir: str | Path,
+    data_jsonl: str | Path,
+    *,
+    num_prompts: int,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    out_jsons: Sequence[str | Path] | None = None,
+    tb_dirs: Sequence[str | Path] | None = None,
+    plot_paths: Sequence[str | Path] | None = None,
+    device: str = "cpu",
+    precision: str = "fp32",
+    chat_template_kwargs: dict | None = None,
+) -> list[dict]:
+    """`evaluate` for several exports of one target in one process (`compare_drafts`): the target
+    loaded once, every prompt decoded by the target alone once and by each draft. One summary per
+    draft, in order; `out_jsons`, `tb_dirs`, `plot_paths`: one path per draft each, or None. The
+    drafts' prompts must render alike: their training runs' chat_template_kwargs (or the one given)."""
     if num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
-    chat_template_kwargs, step, notes = run_settings(draft_dir, chat_template_kwargs)
+    if not draft_dirs:
+        raise ValueError("give at least one draft to evaluate")
+    for name, paths in (("--out", out_jsons), ("--tb-dir", tb_dirs), ("--plot", plot_paths)):
+        if paths is not None and len(paths) != len(draft_dirs):
+            raise ValueError(f"{name}: give one path per draft ({len(draft_dirs)}), got {len(paths)}")
+    settings = [run_settings(d, chat_template_kwargs) for d in draft_dirs]
+    rendered = {json.dumps(kwargs, sort_keys=True) for kwargs, _, _ in settings}
+    if len(rendered) > 1:
+        raise ValueError(
+            "the drafts' training runs rendered prompts with different chat_template_kwargs "
+            f"({', '.join(sorted(rendered))}): evaluate them one at a time, or pass --chat-template-kwargs"
+        )
+    template_kwargs = settings[0][0]
     torch.manual_seed(seed)
     dtype = torch_dtype(precision)
     warn_if_slow_bf16(torch.device(device), dtype)
-    draft, target, head, tokenizer = load_models(draft_dir, target_dir, device, dtype)
-    prompts = [
-        encode_prompt(m, tokenizer, chat_template_kwargs) for m in read_prompts(data_jsonl, num_prompts)
-    ]
-    summary, _ = evaluate_prompts(
-        draft,
+    target, head, tokenizer = load_target(target_dir, device, dtype)
+    drafts = [load_draft_for(target, d, device, dtype) for d in draft_dirs]
+    use_decoding_layout(target, head, *drafts)
+    prompts = [encode_prompt(m, tokenizer, template_kwargs) for m in read_prompts(data_jsonl, num_prompts)]
+    evaluated = compare_drafts(
+        drafts,
         target,
         head,
         prompts,
@@ -383,32 +496,42 @@ def evaluate(
         stop_token_ids=stop_token_ids(tokenizer, target),
         seed=seed,
     )
-    if temperature == 0 and summary["outputs_equal_target"] < len(prompts):
-        notes.append(greedy_mismatch_note(len(prompts) - summary["outputs_equal_target"], len(prompts)))
-    summary.update(
-        draft=str(draft_dir),
-        target=str(target_dir),
-        data=str(data_jsonl),
-        temperature=temperature,
-        seed=seed,
-        precision=precision,
-        step=step,
-        chat_template_kwargs=chat_template_kwargs,
-        notes=notes,
-    )
-    if out_json is not None:
-        Path(out_json).parent.mkdir(parents=True, exist_ok=True)
-        Path(out_json).write_text(json.dumps(summary, indent=2) + "\n")
-    if tb_dir is not None:
-        write_tensorboard(summary, tb_dir, step)
-    if plot_path is not None:
-        plot_histogram(summary, plot_path)
-    return summary
+    summaries = []
+    for index, ((summary, _), draft_dir, (_, step, notes)) in enumerate(zip(evaluated, draft_dirs, settings)):
+        notes = list(notes)
+        if temperature == 0 and summary["outputs_equal_target"] < len(prompts):
+            notes.append(greedy_mismatch_note(len(prompts) - summary["outputs_equal_target"], len(prompts)))
+        summary.update(
+            draft=str(draft_dir),
+            target=str(target_dir),
+            data=str(data_jsonl),
+            temperature=temperature,
+            seed=seed,
+            precision=precision,
+            step=step,
+            chat_template_kwargs=template_kwargs,
+            notes=notes,
+        )
+        if out_jsons is not None:
+            Path(out_jsons[index]).parent.mkdir(parents=True, exist_ok=True)
+            Path(out_jsons[index]).write_text(json.dumps(summary, indent=2) + "\n")
+        if tb_dirs is not None:
+            write_tensorboard(summary, tb_dirs[index], step)
+        if plot_paths is not None:
+            plot_histogram(summary, plot_paths[index])
+        summaries.append(summary)
+    return summaries
 
 
-def main(argv: Sequence[str] | None = None) -> dict:
+def main(argv: Sequence[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--draft", required=True, help="export directory (config.json + model.safetensors)")
+    parser.add_argument(
+        "--draft",
+        required=True,
+        nargs="+",
+        help="export directory (config.json + model.safetensors); several: compared on the same prompts, "
+        "the target alone decoding each prompt once",
+    )
     parser.add_argument("--target", required=True, help="Hugging Face target directory (with tokenizer)")
     parser.add_argument(
         "--data", required=True, help="training_jsonl file; prompts = turns before the first reply"
@@ -425,9 +548,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
         help="dtype of the target, the draft and the head (bf16: what a server runs, and half the memory "
         "of fp32 for a large target on a GPU)",
     )
-    parser.add_argument("--out", help="write the summary JSON here")
-    parser.add_argument("--tb-dir", help="write TensorBoard scalars (eval/...) here")
-    parser.add_argument("--plot", help="write a PNG of the acceptance histogram here")
+    parser.add_argument("--out", nargs="+", help="write the summary JSON here (one path per draft)")
+    parser.add_argument(
+        "--tb-dir", nargs="+", help="write TensorBoard scalars (eval/...) here (one per draft)"
+    )
+    parser.add_argument(
+        "--plot", nargs="+", help="write a PNG of the acceptance histogram here (one per draft)"
+    )
     parser.add_argument(
         "--chat-template-kwargs",
         type=json.loads,
@@ -437,10 +564,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
     )
     add_debug_flag(parser)
     args = parser.parse_args(argv)
-    require_path(args.draft, "--draft", "dir", "an export directory (config.json + model.safetensors)")
+    for draft in args.draft:
+        require_path(draft, "--draft", "dir", "an export directory (config.json + model.safetensors)")
     require_path(args.target, "--target", "dir", "the target's local model directory")
     require_path(args.data, "--data", "file", "a training_jsonl file")
-    summary = evaluate(
+    summaries = evaluate_drafts(
         args.draft,
         args.target,
         args.data,
@@ -448,17 +576,20 @@ def main(argv: Sequence[str] | None = None) -> dict:
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         seed=args.seed,
-        out_json=args.out,
-        tb_dir=args.tb_dir,
-        plot_path=args.plot,
+        out_jsons=args.out,
+        tb_dirs=args.tb_dir,
+        plot_paths=args.plot,
         device=args.device,
         precision=args.precision,
         chat_template_kwargs=args.chat_template_kwargs,
     )
-    for note in summary["notes"]:
-        print(f"note: {note}")
-    print(format_table(summary))
-    return summary
+    for summary in summaries:
+        if len(summaries) > 1:
+            print(f"\n{summary['draft']}")
+        for note in summary["notes"]:
+            print(f"note: {note}")
+        print(format_table(summary))
+    return summaries
 
 
 if __name__ == "__main__":

@@ -154,31 +154,34 @@ def evaluate_drafts(
     """Mean acceptance length of each export on the held-out prompts, against the target, and the
     trained drafts' wall-clock speedup over the target alone (`speedup_*`), and the draft-free
     prompt-lookup tau on the same target outputs (`tau_prompt_lookup`); each draft's report is
-    `<draft dir>/<name>.json` (TensorBoard under `<name>_tb`, the histogram `<name>.png`).
-    `precision`: of the target, the drafts and the head (dflash2.evaluate --precision)."""
+    `<draft dir>/<name>.json` (TensorBoard under `<name>_tb`, the histogram `<name>.png`). The drafts
+    are evaluated together (dflash2.evaluate.evaluate_drafts): the target alone decodes each prompt
+    once, in turn with the drafts. `precision`: of the target, the drafts and the head
+    (dflash2.evaluate --precision)."""
     from transformers.utils import logging as hf_logging
 
-    from dflash2.evaluate import evaluate
+    from dflash2.evaluate import evaluate_drafts as evaluate
 
     hf_logging.disable_progress_bar()
+    dirs = [draft for _, draft in drafts]
+    results = evaluate(
+        dirs,
+        tiny.target_dir,
+        tiny.heldout_jsonl,
+        num_prompts=num_prompts,
+        max_new_tokens=max_new_tokens,
+        temperature=0.0,
+        seed=0,
+        precision=precision,
+        out_jsons=[d.parent / f"{name}.json" for d in dirs],
+        tb_dirs=[d.parent / ("tb" if name == "eval" else f"{name}_tb") for d in dirs],
+        plot_paths=[d.parent / ("acceptance.png" if name == "eval" else f"{name}.png") for d in dirs],
+    )
     taus = {}
-    for key, draft in tqdm(drafts, desc="  evaluate", dynamic_ncols=True):
-        result = evaluate(
-            draft,
-            tiny.target_dir,
-            tiny.heldout_jsonl,
-            num_prompts=num_prompts,
-            max_new_tokens=max_new_tokens,
-            temperature=0.0,
-            seed=0,
-            precision=precision,
-            out_json=draft.parent / f"{name}.json",
-            tb_dir=draft.parent / ("tb" if name == "eval" else f"{name}_tb"),
-            plot_path=draft.parent / ("acceptance.png" if name == "eval" else f"{name}.png"),
-        )
+    for (key, _), result in zip(drafts, results):
         taus[key] = result["mean_acceptance_length"]
         taus[key.replace("tau_", "outputs_equal_")] = result["outputs_equal_target"]
-        tqdm.write(f"  {key:14s} {taus[key]:.3f}, {result['speedup']:.2f}x the target alone")
+        print(f"  {key:14s} {taus[key]:.3f}, {result['speedup']:.2f}x the target alone", flush=True)
         if key != "tau_untrained":
             taus[key.replace("tau_", "speedup_")] = result["speedup"]
         taus["tau_prompt_lookup"] = result["prompt_lookup_tau"]  # the target's outputs: every draft's

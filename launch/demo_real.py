@@ -220,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         untrained = demo.export_untrained(out / "untrained" / "export", draft_configs["dflash2"])
         drafts = [("tau_untrained", untrained), ("tau_dflash", exports["dflash"])]
         drafts.append(("tau_dflash2", exports["dflash2"]))
-        # In this process one after the other: loading Hugging Face models is not thread-safe.
+        # In this process, together: the target alone decodes each prompt once, in turn with the drafts.
         results = demo.evaluate_drafts(
             sources, drafts, args.eval_prompts, args.max_new_tokens, precision=args.precision
         )

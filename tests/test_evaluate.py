@@ -505,6 +505,52 @@ def test_the_two_decodes_take_turns_prompt_by_prompt(target, head, monkeypatch):
     assert order == ["spec"] and "speedup" not in summary
 
 
+def test_several_drafts_take_turns_with_one_target_decode_and_each_gets_its_own_result(
+    target, head, monkeypatch
+):
+    """compare_drafts: each prompt decoded once by the target alone and once by every draft, the
+    decodes of prompt i starting from the (i mod 3)-th; every draft's summary and outputs are those
+    of evaluating it alone (at temperature 1 too: each draft samples from its own generator), and
+    every draft's speedup is over the same target decodes."""
+    drafts = [build_random_draft("DFlashDraftModel"), build_random_draft("DFlash2DraftModel", seed=3)]
+    prompts = [PROMPT, PROMPT[:4], PROMPT[:6], PROMPT[:5]]
+    order = []
+    spec, plain = ev.speculative_generate, ev.timed_target_generate
+
+    def spied_spec(draft, *args, **kwargs):
+        order.append(f"draft {drafts.index(draft)}")
+        return spec(draft, *args, **kwargs)
+
+    monkeypatch.setattr(ev, "speculative_generate", spied_spec)
+    monkeypatch.setattr(ev, "timed_target_generate", lambda *a, **k: order.append("target") or plain(*a, **k))
+    for temperature in (0.0, 1.0):
+        order.clear()
+        together = ev.compare_drafts(
+            drafts, target, head, prompts, max_new_tokens=9, temperature=temperature, seed=7
+        )
+        turns = ["target", "draft 0", "draft 1"]
+        assert order == [turns[(i + j) % 3] for i in range(4) for j in range(3)]
+        for draft, (summary, results) in zip(drafts, together):
+            alone, alone_results = ev.evaluate_prompts(
+                draft, target, head, prompts, max_new_tokens=9, temperature=temperature, seed=7
+            )
+            assert [r.output_ids for r in results] == [r.output_ids for r in alone_results]
+            assert [r.acceptance_lengths for r in results] == [r.acceptance_lengths for r in alone_results]
+            for key in (
+                "mean_acceptance_length",
+                "generated_tokens",
+                "outputs_equal_target",
+                "prompt_lookup_tau",
+            ):
+                assert summary[key] == alone[key]
+        target_s = [s["target_wall_s"] for s, _ in together]
+        assert target_s[0] == target_s[1] > 0  # one set of target decodes for both
+        for summary, _ in together:
+            assert summary["speedup"] == pytest.approx(
+                summary["spec_tokens_per_s"] / summary["target_tokens_per_s"]
+            )
+
+
 # ------------------------------------------------------------------ CLI on the tiny default
 
 
@@ -575,6 +621,50 @@ def test_cli_writes_json_tensorboard_and_plot(tiny_default, tmp_path, capsys):
     assert f" {summary['prompt_lookup_tau']:.3f}: 1-4-gram copying" in row
 
 
+def test_cli_compares_several_drafts_against_one_target_decode(tiny_default, tmp_path, monkeypatch, capsys):
+    """--draft A B: one report per draft, each equal to evaluating that draft alone (speed aside), the
+    target alone decoding each prompt once; one path per draft for --out, and drafts whose training
+    runs rendered prompts differently are refused with the fix, as is a count of --out paths that is
+    not the drafts'."""
+    from dflash2.export import export_draft
+    from tests.conftest import REPO_ROOT
+
+    exports = []
+    for seed, kwargs in ((0, {}), (1, {}), (2, {"enable_thinking": False})):
+        torch.manual_seed(seed)
+        draft = build_draft(REPO_ROOT / "configs" / "draft" / "tiny-dflash2.json")
+        run = {"step": 10 + seed, "chat_template_kwargs": kwargs}
+        exports.append(export_draft(draft, tmp_path / f"export{seed}", dtype=torch.float32, training_run=run))
+    common = ["--target", str(tiny_default.target_dir), "--data", str(tiny_default.heldout_jsonl)]
+    common += ["--num-prompts", "3", "--max-new-tokens", "12"]
+    target_decodes = []
+    plain = ev.timed_target_generate
+    monkeypatch.setattr(
+        ev, "timed_target_generate", lambda *a, **k: target_decodes.append(1) or plain(*a, **k)
+    )
+    outs = [str(tmp_path / "a.json"), str(tmp_path / "b.json")]
+    together = ev.main(["--draft", str(exports[0]), str(exports[1]), *common, "--out", *outs])
+    assert len(target_decodes) == 3
+    assert [json.loads(open(o).read()) for o in outs] == together
+    assert [s["draft"] for s in together] == [str(exports[0]), str(exports[1])]
+    assert [s["step"] for s in together] == [10, 11]
+    printed = capsys.readouterr().out
+    assert printed.count("mean acceptance length (tau)") == 2 and str(exports[1]) in printed
+    for export, summary in zip(exports, together):
+        (alone,) = ev.main(["--draft", str(export), *common])
+        for key in (
+            "mean_acceptance_length",
+            "acceptance_histogram",
+            "generated_tokens",
+            "prompt_lookup_tau",
+        ):
+            assert summary[key] == alone[key]
+    with pytest.raises(ValueError, match="different chat_template_kwargs .* evaluate them one at a time"):
+        ev.main(["--draft", str(exports[0]), str(exports[2]), *common])
+    with pytest.raises(ValueError, match=r"--out: give one path per draft \(2\), got 1"):
+        ev.main(["--draft", str(exports[0]), str(exports[1]), *common, "--out", outs[0]])
+
+
 def test_evaluation_defaults_to_the_training_run_of_the_export(tmp_path):
     (tmp_path / "training_run.json").write_text(
         json.dumps({"step": 300, "chat_template_kwargs": {"enable_thinking": False}})
@@ -596,17 +686,23 @@ def test_cli_evaluates_in_bf16_when_asked(tiny_default, tmp_path, monkeypatch):
     draft = build_draft(REPO_ROOT / "configs" / "draft" / "tiny-dflash2.json")
     export = export_draft(draft, tmp_path / "export", dtype=torch.float32)
     loaded = []
-    load_models = ev.load_models
+    load_target, load_draft_for = ev.load_target, ev.load_draft_for
 
-    def spy(*args):
-        models = load_models(*args)
-        loaded.append({next(m.parameters()).dtype for m in models[:2]} | {models[2].lm_head_weight.dtype})
-        return models
+    def spy_target(*args):
+        target, head, tokenizer = load_target(*args)
+        loaded.append({next(target.parameters()).dtype, head.lm_head_weight.dtype})
+        return target, head, tokenizer
 
-    monkeypatch.setattr(ev, "load_models", spy)
+    def spy_draft(*args):
+        draft = load_draft_for(*args)
+        loaded[-1].add(next(draft.parameters()).dtype)
+        return draft
+
+    monkeypatch.setattr(ev, "load_target", spy_target)
+    monkeypatch.setattr(ev, "load_draft_for", spy_draft)
     common = ["--draft", str(export), "--target", str(tiny_default.target_dir)]
     common += ["--data", str(tiny_default.heldout_jsonl), "--num-prompts", "1", "--max-new-tokens", "8"]
-    summaries = [ev.main(common), ev.main([*common, "--precision", "bf16"])]
+    summaries = [*ev.main(common), *ev.main([*common, "--precision", "bf16"])]
     assert loaded == [{torch.float32}, {torch.bfloat16}]
     assert [s["precision"] for s in summaries] == ["fp32", "bf16"]
     assert all(1 <= s["generated_tokens"] <= 8 for s in summaries)

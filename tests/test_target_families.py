@@ -325,7 +325,7 @@ def test_evaluate_cli_on_the_hybrid_vlm_checkpoint(family_dirs, tiny_default, tm
     export = export_draft(draft, tmp_path / "export", dtype=torch.float32, training_run=training_run)
     args = ["--draft", str(export), "--target", str(family_dirs["qwen3_5_vlm"])]
     args += ["--data", str(tiny_default.heldout_jsonl), "--num-prompts", "2", "--max-new-tokens", "24"]
-    summary = ev.main([*args, "--tb-dir", str(tmp_path / "tb"), "--out", str(tmp_path / "eval.json")])
+    (summary,) = ev.main([*args, "--tb-dir", str(tmp_path / "tb"), "--out", str(tmp_path / "eval.json")])
     assert summary["generated_tokens"] == 48 and summary["notes"] == []
     assert summary["chat_template_kwargs"] == {"enable_thinking": False} and summary["step"] == 1234
     events = EventAccumulator(str(tmp_path / "tb"))
