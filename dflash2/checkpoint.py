@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from dflash2.config import RunConfig
 from dflash2.distributed.base import Backend
@@ -37,6 +37,7 @@ from dflash2.distributed.state_io import check_backend_meta
 from dflash2.errors import ReportedError
 from dflash2.identity import RunIdentity
 from dflash2.models.config import load_config_dict
+from dflash2.safetensors_io import save_tensors
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -220,7 +221,7 @@ def _save_rng(prefix: Path, generators: dict[str, torch.Generator]) -> None:
             tensors[f"torch_cuda_{i}"] = state
     for name, generator in generators.items():
         tensors[f"generator.{name}"] = generator.get_state()
-    save_file(tensors, str(prefix) + ".safetensors")
+    save_tensors(tensors, str(prefix) + ".safetensors")
     version, mt_state, gauss = random.getstate()
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state()
     _write_json(
@@ -292,7 +293,7 @@ def save_checkpoint(
     draft_state = backend.full_draft_state_dict()
     with _cleanup_on_write_error(backend, root, final, tmp):
         if backend.is_main:
-            save_file({name: t.contiguous() for name, t in draft_state.items()}, str(tmp / DRAFT_WEIGHTS))
+            save_tensors({name: t.contiguous() for name, t in draft_state.items()}, tmp / DRAFT_WEIGHTS)
             _write_json(tmp / DRAFT_CONFIG, draft_config)
             _write_json(tmp / CONTRACT, contract)
             _write_json(tmp / TRAIN_STATE, {**train_state, "step": step})

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from dflash2.checkpoint import (
     CONTRACT,
@@ -45,6 +45,7 @@ from dflash2.models.config import (
     validate_draft_config,
 )
 from dflash2.models.registry import expected_tensor_shapes
+from dflash2.safetensors_io import save_tensors
 from dflash2.target.files import CONFIG_FILE, SINGLE_FILE, tensor_files
 
 CONFIG_NAME = CONFIG_FILE
@@ -295,7 +296,7 @@ def export_draft(
         shutil.rmtree(tmp)
     tmp.mkdir()
     tensors = {name: t.detach().to("cpu", dtype).clone().contiguous() for name, t in state.items()}
-    save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt"})
+    save_tensors(tensors, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
     with open(tmp / CONFIG_NAME, "w") as f:
         json.dump(cfg, f, indent=2, sort_keys=True)
         f.write("\n")

@@ -8,6 +8,7 @@ default, end to end, truncation and a conversation whose features the generation
 from __future__ import annotations
 
 import json
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 
 from dflash2.capture.offline import OfflineFeatures
 from dflash2.data.regenerate import LocalTargetGenerator, _left_pad
+from dflash2.safetensors_io import file_mode
 from dflash2.target.hooks import capture_layer_outputs
 from dflash2.target.recorded_generate import generate_recording
 from tests.run_helpers import REPO, TINY_CONFIG, check_ok, run
@@ -115,6 +117,8 @@ def test_regeneration_writes_the_features_that_offline_capture_would(conversatio
     for field in ("target", "tokenizer", "data", "max_length", "target_layer_ids", "dtype", "sample_length"):
         assert manifest[field] == expected[field], field
     assert max(manifest["sample_length"]) == 48  # truncated samples served by a prefix of their features
+    # every file readable as any other new file is (safetensors alone writes 0600: dflash2.safetensors_io)
+    assert {stat.S_IMODE(p.stat().st_mode) for p in features.iterdir()} == {file_mode()}
     kept = OfflineFeatures(features, manifest, last_hidden=True)
     captured = OfflineFeatures(reference, expected, last_hidden=True)
     for index in range(manifest["num_samples"]):

@@ -25,6 +25,7 @@ LAYERS = {
     "dflash2.hardware": 0,
     "dflash2.errors": 0,
     "dflash2.stamped_build": 0,
+    "dflash2.safetensors_io": 0,
     "dflash2.faults": 1,
     "dflash2.models": 1,
     "dflash2.optim": 1,

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from dflash2.capture.features import capture_samples, split_last_hidden
 from dflash2.capture.offline import MANIFEST, _ShardWriter, feature_identity, write_manifest
@@ -32,6 +31,7 @@ from dflash2.config import RunConfig
 from dflash2.data.regenerate import Reply
 from dflash2.distributed.local_backend import LocalBackend
 from dflash2.identity import RunIdentity
+from dflash2.safetensors_io import save_tensors
 
 STAGED_GLOB = "fused-*.safetensors"
 
@@ -68,7 +68,7 @@ class StagedFeatures:
             return
         path = self.out_dir / f"fused-{self.next_number:05d}.safetensors"
         tmp = path.with_name(f".{path.name}.tmp")
-        save_file(tensors, str(tmp), metadata={"ids": json.dumps(kept), "stamp": json.dumps(self.stamp)})
+        save_tensors(tensors, tmp, metadata={"ids": json.dumps(kept), "stamp": json.dumps(self.stamp)})
         os.replace(tmp, path)  # whole or absent: a crash mid-write leaves only the tmp file
         self.next_number += 1
 

@@ -26,12 +26,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from dflash2.capture.features import capture_samples, split_last_hidden
 from dflash2.config import RunConfig
 from dflash2.distributed import Backend
 from dflash2.identity import RunIdentity
+from dflash2.safetensors_io import save_tensors
 
 MANIFEST = "manifest.json"
 FORMAT = "dflash2-features/1"
@@ -80,7 +80,7 @@ class _ShardWriter:
         if not self.buffer:
             return
         name = f"shard-{self.rank:05d}-{self.num_shards:05d}.safetensors"
-        save_file(self.buffer, str(self.out_dir / name))
+        save_tensors(self.buffer, self.out_dir / name)
         self.sample_shard.update({int(index): name for index in self.buffer if index.isdigit()})
         self.buffer, self.buffered_bytes, self.num_shards = {}, 0, self.num_shards + 1
 

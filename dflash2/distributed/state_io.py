@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch.distributed.tensor import DTensor
+
+from dflash2.safetensors_io import save_tensors
 
 FORMAT = 2  # 1: each rank's state loaded only by the same rank of the same number of ranks
 _TENSOR = "__tensor__"
@@ -79,7 +80,7 @@ def save_state(obj: Any, prefix: Path) -> None:
     """Write `prefix`.safetensors and `prefix`.json; sharded tensors as this rank's piece."""
     tensors: dict[str, torch.Tensor] = {}
     tree = _encode(obj, "root", tensors)
-    save_file(tensors, str(prefix) + ".safetensors")
+    save_tensors(tensors, str(prefix) + ".safetensors")
     Path(str(prefix) + ".json").write_text(json.dumps(tree))
 
 
