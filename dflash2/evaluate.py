@@ -472,20 +472,20 @@ def evaluate_drafts(
         if paths is not None and len(paths) != len(draft_dirs):
             raise ValueError(f"{name}: give one path per draft ({len(draft_dirs)}), got {len(paths)}")
     settings = [run_settings(d, chat_template_kwargs) for d in draft_dirs]
-    rendered = {json.dumps(kwargs, sort_keys=True) for kwargs, _, _ in settings}
+    # None (the template's defaults) renders as {} does
+    rendered = {json.dumps(kwargs or {}, sort_keys=True) for kwargs, _, _ in settings}
     if len(rendered) > 1:
         raise ValueError(
             "the drafts' training runs rendered prompts with different chat_template_kwargs "
             f"({', '.join(sorted(rendered))}): evaluate them one at a time, or pass --chat-template-kwargs"
         )
-    template_kwargs = settings[0][0]
     torch.manual_seed(seed)
     dtype = torch_dtype(precision)
     warn_if_slow_bf16(torch.device(device), dtype)
     target, head, tokenizer = load_target(target_dir, device, dtype)
     drafts = [load_draft_for(target, d, device, dtype) for d in draft_dirs]
     use_decoding_layout(target, head, *drafts)
-    prompts = [encode_prompt(m, tokenizer, template_kwargs) for m in read_prompts(data_jsonl, num_prompts)]
+    prompts = [encode_prompt(m, tokenizer, settings[0][0]) for m in read_prompts(data_jsonl, num_prompts)]
     evaluated = compare_drafts(
         drafts,
         target,
@@ -497,7 +497,9 @@ def evaluate_drafts(
         seed=seed,
     )
     summaries = []
-    for index, ((summary, _), draft_dir, (_, step, notes)) in enumerate(zip(evaluated, draft_dirs, settings)):
+    for index, ((summary, _), draft_dir, (kwargs, step, notes)) in enumerate(
+        zip(evaluated, draft_dirs, settings)
+    ):
         notes = list(notes)
         if temperature == 0 and summary["outputs_equal_target"] < len(prompts):
             notes.append(greedy_mismatch_note(len(prompts) - summary["outputs_equal_target"], len(prompts)))
@@ -509,7 +511,7 @@ def evaluate_drafts(
             seed=seed,
             precision=precision,
             step=step,
-            chat_template_kwargs=template_kwargs,
+            chat_template_kwargs=kwargs,
             notes=notes,
         )
         if out_jsons is not None:

@@ -661,6 +661,11 @@ def test_cli_compares_several_drafts_against_one_target_decode(tiny_default, tmp
             assert summary[key] == alone[key]
     with pytest.raises(ValueError, match="different chat_template_kwargs .* evaluate them one at a time"):
         ev.main(["--draft", str(exports[0]), str(exports[2]), *common])
+    # an export that records no arguments (the template's defaults) goes with one that records {}
+    bare = export_draft(draft, tmp_path / "bare", dtype=torch.float32)
+    mixed = ev.main(["--draft", str(bare), str(exports[0]), *common])
+    assert [s["chat_template_kwargs"] for s in mixed] == [None, {}]
+    assert mixed[1]["mean_acceptance_length"] == together[0]["mean_acceptance_length"]
     with pytest.raises(ValueError, match=r"--out: give one path per draft \(2\), got 1"):
         ev.main(["--draft", str(exports[0]), str(exports[1]), *common, "--out", outs[0]])
 
@@ -755,3 +760,13 @@ def test_the_demos_evaluate_each_draft_in_the_precision_asked_and_count_equal_ou
         assert results["outputs_equal_untrained"] == report["outputs_equal_target"]
     fp32 = json.loads((tmp_path / "untrained" / "eval_fp32.json").read_text())
     assert fp32["outputs_equal_target"] == 3
+    # as the demos call it: the untrained export (no record of a training run) beside trained ones
+    from dflash2.export import export_draft
+    from dflash2.models import load_draft
+
+    run = {"step": 5, "chat_template_kwargs": {}}
+    trained = export_draft(load_draft(draft), tmp_path / "dflash2" / "export", training_run=run)
+    results = demo.evaluate_drafts(tiny_default, [("tau_untrained", draft), ("tau_dflash2", trained)], 3, 8)
+    assert results["tau_untrained"] == fp32["mean_acceptance_length"]
+    assert results["tau_dflash2"] == results["tau_untrained"] and results["speedup_dflash2"] > 0
+    assert json.loads((tmp_path / "dflash2" / "eval.json").read_text())["step"] == 5
