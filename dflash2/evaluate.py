@@ -248,36 +248,13 @@ def speed_rows(summary: dict) -> list[tuple[str, str]]:
 
 
 def evaluate_prompts(
-    draft: DFlashDraftModel,
-    target: nn.Module,
-    head: TargetHead,
-    prompts: list[list[int]],
-    *,
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    stop_token_ids: Sequence[int] = (),
-    seed: int = 0,
-    compare_target: bool = True,
-    clock: Clock = time.perf_counter,
+    draft: DFlashDraftModel, target: nn.Module, head: TargetHead, prompts: list[list[int]], **options
 ) -> tuple[dict, list[GenerationResult]]:
     """Decode every prompt (token ids) and summarise; usable with in-memory models (e.g. in training).
-
-    `compare_target`: also decode every prompt with the target alone (greedy), interleaved with the
-    speculative decodes (prompt by prompt, the two taking turns at going first), and add
-    `speed_summary` and `prompt_lookup_summary` to the summary. `clock`: what both decodes' wall
-    times are read from."""
-    (evaluated,) = compare_drafts(
-        [draft],
-        target,
-        head,
-        prompts,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        stop_token_ids=stop_token_ids,
-        seed=seed,
-        compare_target=compare_target,
-        clock=clock,
-    )
+    `options`: those of `compare_drafts` (max_new_tokens, temperature, stop_token_ids, seed,
+    compare_target, clock), of which this is the one-draft case: with `compare_target` every prompt
+    is also decoded by the target alone, the two decodes taking turns at going first."""
+    (evaluated,) = compare_drafts([draft], target, head, prompts, **options)
     return evaluated
 
 
@@ -294,12 +271,13 @@ def compare_drafts(
     compare_target: bool = True,
     clock: Clock = time.perf_counter,
 ) -> list[tuple[dict, list[GenerationResult]]]:
-    """`evaluate_prompts` for several drafts of one target at once: (summary, results) per draft, each
-    as `evaluate_prompts` alone would give it (every draft samples from its own generator seeded with
-    `seed`). Every prompt is decoded by the target alone once (`compare_target`) and by each draft;
-    the decodes of prompt i run in turn starting from the (i mod n)-th of [target alone, drafts...]
-    (n decodes a prompt), so each goes first as often as the others, and every draft's speedup is
-    over the same target-alone decodes."""
+    """Decode every prompt (token ids) with each draft and summarise: (summary, results) per draft,
+    each as that draft evaluated alone would give it (every draft samples from its own generator
+    seeded with `seed`). `compare_target`: every prompt is also decoded once by the target alone
+    (greedy), and each summary gets `speed_summary` (every draft's speedup over the same target
+    decodes) and `prompt_lookup_summary`. The decodes of prompt i run in turn starting from the
+    (i mod n)-th of [target alone, drafts...] (n decodes a prompt), so each goes first as often as
+    the others and the machine's load weighs on all alike. `clock`: what the wall times are read from."""
     if not drafts:
         raise ValueError("compare_drafts needs at least one draft")
     device = next(target.parameters()).device
