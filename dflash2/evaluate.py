@@ -444,19 +444,8 @@ def evaluate_drafts(
     drafts' prompts must render alike: their training runs' chat_template_kwargs (or the one given)."""
     if num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
-    if not draft_dirs:
-        raise ValueError("give at least one draft to evaluate")
-    for name, paths in (("--out", out_jsons), ("--tb-dir", tb_dirs), ("--plot", plot_paths)):
-        if paths is not None and len(paths) != len(draft_dirs):
-            raise ValueError(f"{name}: give one path per draft ({len(draft_dirs)}), got {len(paths)}")
-    settings = [run_settings(d, chat_template_kwargs) for d in draft_dirs]
-    # None (the template's defaults) renders as {} does
-    rendered = {json.dumps(kwargs or {}, sort_keys=True) for kwargs, _, _ in settings}
-    if len(rendered) > 1:
-        raise ValueError(
-            "the drafts' training runs rendered prompts with different chat_template_kwargs "
-            f"({', '.join(sorted(rendered))}): evaluate them one at a time, or pass --chat-template-kwargs"
-        )
+    outputs = {"--out": out_jsons, "--tb-dir": tb_dirs, "--plot": plot_paths}
+    settings = drafts_settings(draft_dirs, chat_template_kwargs, outputs)
     torch.manual_seed(seed)
     dtype = torch_dtype(precision)
     warn_if_slow_bf16(torch.device(device), dtype)
@@ -475,14 +464,12 @@ def evaluate_drafts(
         seed=seed,
     )
     summaries = []
-    for index, ((summary, _), draft_dir, (kwargs, step, notes)) in enumerate(
-        zip(evaluated, draft_dirs, settings)
-    ):
+    for i, ((summary, _), path, (kwargs, step, notes)) in enumerate(zip(evaluated, draft_dirs, settings)):
         notes = list(notes)
         if temperature == 0 and summary["outputs_equal_target"] < len(prompts):
             notes.append(greedy_mismatch_note(len(prompts) - summary["outputs_equal_target"], len(prompts)))
         summary.update(
-            draft=str(draft_dir),
+            draft=str(path),
             target=str(target_dir),
             data=str(data_jsonl),
             temperature=temperature,
@@ -492,18 +479,47 @@ def evaluate_drafts(
             chat_template_kwargs=kwargs,
             notes=notes,
         )
-        if out_jsons is not None:
-            Path(out_jsons[index]).parent.mkdir(parents=True, exist_ok=True)
-            Path(out_jsons[index]).write_text(json.dumps(summary, indent=2) + "\n")
-        if tb_dirs is not None:
-            write_tensorboard(summary, tb_dirs[index], step)
-        if plot_paths is not None:
-            plot_histogram(summary, plot_paths[index])
+        write_reports(summary, *(None if paths is None else paths[i] for paths in outputs.values()))
         summaries.append(summary)
     return summaries
 
 
-def main(argv: Sequence[str] | None = None) -> list[dict]:
+def drafts_settings(
+    draft_dirs: Sequence[str | Path], chat_template_kwargs: dict | None, outputs: dict[str, Sequence | None]
+) -> list[tuple[dict | None, int, list[str]]]:
+    """Each draft's `run_settings`, checked: at least one draft, one path per draft in each of
+    `outputs` (option name -> paths or None), and prompts that render alike for all."""
+    if not draft_dirs:
+        raise ValueError("give at least one draft to evaluate")
+    for name, paths in outputs.items():
+        if paths is not None and len(paths) != len(draft_dirs):
+            raise ValueError(f"{name}: give one path per draft ({len(draft_dirs)}), got {len(paths)}")
+    settings = [run_settings(d, chat_template_kwargs) for d in draft_dirs]
+    # None (the template's defaults) renders as {} does
+    rendered = {json.dumps(kwargs or {}, sort_keys=True) for kwargs, _, _ in settings}
+    if len(rendered) > 1:
+        raise ValueError(
+            "the drafts' training runs rendered prompts with different chat_template_kwargs "
+            f"({', '.join(sorted(rendered))}): evaluate them one at a time, or pass --chat-template-kwargs"
+        )
+    return settings
+
+
+def write_reports(
+    summary: dict, out_json: str | Path | None, tb_dir: str | Path | None, plot: str | Path | None
+) -> None:
+    """The summary JSON, TensorBoard scalars (at the export's training step) and the histogram PNG,
+    each where a path is given."""
+    if out_json is not None:
+        Path(out_json).parent.mkdir(parents=True, exist_ok=True)
+        Path(out_json).write_text(json.dumps(summary, indent=2) + "\n")
+    if tb_dir is not None:
+        write_tensorboard(summary, tb_dir, summary["step"])
+    if plot is not None:
+        plot_histogram(summary, plot)
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--draft",
@@ -543,7 +559,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict]:
         "default: what the training run used, from the export's training_run.json)",
     )
     add_debug_flag(parser)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict]:
+    args = build_parser().parse_args(argv)
     for draft in args.draft:
         require_path(draft, "--draft", "dir", "an export directory (config.json + model.safetensors)")
     require_path(args.target, "--target", "dir", "the target's local model directory")

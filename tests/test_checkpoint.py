@@ -382,21 +382,24 @@ def test_deletion_removes_complete_first(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "failing,error",
     [
-        (
-            "save_file",
+        (  # safetensors' own writer, under dflash2.safetensors_io
+            "dflash2.safetensors_io:save_file",
             SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
         ),
-        ("_write_json", OSError(errno.ENOSPC, "No space left on device")),
-        ("_write_latest", OSError(errno.EIO, "Input/output error")),
+        ("dflash2.checkpoint:_write_json", OSError(errno.ENOSPC, "No space left on device")),
+        ("dflash2.checkpoint:_write_latest", OSError(errno.EIO, "Input/output error")),
     ],
 )
 def test_a_failed_write_names_the_path_and_free_space_and_leaves_latest(
     tmp_path, monkeypatch, failing, error
 ):
-    import dflash2.checkpoint as checkpoint
+    import importlib
 
+    module, name = failing.split(":")
     previous = save(FakeBackend(weight=1.0), tmp_path, 1)
-    monkeypatch.setattr(checkpoint, failing, lambda *args, **kwargs: (_ for _ in ()).throw(error))
+    monkeypatch.setattr(
+        importlib.import_module(module), name, lambda *args, **kwargs: (_ for _ in ()).throw(error)
+    )
     with pytest.raises(CheckpointWriteError) as raised:
         save(FakeBackend(weight=2.0), tmp_path, 2)
     message = str(raised.value)
