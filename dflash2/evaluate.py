@@ -390,35 +390,18 @@ def evaluate(
     target_dir: str | Path,
     data_jsonl: str | Path,
     *,
-    num_prompts: int,
-    max_new_tokens: int,
-    temperature: float,
-    seed: int,
     out_json: str | Path | None = None,
     tb_dir: str | Path | None = None,
     plot_path: str | Path | None = None,
-    device: str = "cpu",
-    precision: str = "fp32",
-    chat_template_kwargs: dict | None = None,
+    **options,
 ) -> dict:
     """Load an export and its target, decode the first `num_prompts` prompts of `data_jsonl`,
-    and return (and optionally write) the summary. `chat_template_kwargs` None: the training run's.
-    `precision` ("fp32" | "bf16"): the dtype of the target, the draft and the head."""
-    (summary,) = evaluate_drafts(
-        [draft_dir],
-        target_dir,
-        data_jsonl,
-        num_prompts=num_prompts,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        seed=seed,
-        out_jsons=None if out_json is None else [out_json],
-        tb_dirs=None if tb_dir is None else [tb_dir],
-        plot_paths=None if plot_path is None else [plot_path],
-        device=device,
-        precision=precision,
-        chat_template_kwargs=chat_template_kwargs,
-    )
+    and return (and optionally write) the summary: `evaluate_drafts` for one draft, whose keyword
+    `options` it takes (num_prompts, max_new_tokens, temperature, seed, device, precision,
+    chat_template_kwargs)."""
+    paths = {"out_jsons": out_json, "tb_dirs": tb_dir, "plot_paths": plot_path}
+    reports = {key: None if path is None else [path] for key, path in paths.items()}
+    (summary,) = evaluate_drafts([draft_dir], target_dir, data_jsonl, **reports, **options)
     return summary
 
 
