@@ -113,7 +113,8 @@ class FSDPBackend(Backend):
         for module in draft.modules():
             # Sum, not average, over ranks: the loss is already normalised by the global weight sum.
             # One rank has nothing to reduce, and there a factor (even 1.0) makes FSDP2 divide every
-            # gradient into a new tensor each step (about a tenth of a one-rank SmolLM2 DFlash 2 step): left unset.
+            # gradient into a new tensor each step (about a tenth of a one-rank SmolLM2 DFlash 2
+            # step): left unset.
             if isinstance(module, FSDPModule) and self.draft_mesh.size() > 1:
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
