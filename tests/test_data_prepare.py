@@ -336,6 +336,30 @@ def test_a_reply_with_token_ids_trains_on_them_and_the_mismatch_is_counted(tiny_
     assert summary["num_token_ids_mismatch"] == 1 and summary["token_ids_mismatch_lines"] == [1]
 
 
+def test_mismatched_token_ids_are_logged_a_few_lines_then_counted(tiny_tokenizer, tmp_path, caplog):
+    """Expected of real targets and trained on their ids: the first MAX_LOGGED_MISMATCHES lines one
+    by one, the rest in one line; the summary still has every count and line."""
+    from dflash2.data.prepare import MAX_LOGGED_MISMATCHES
+
+    spelled = _spelled_out(tiny_tokenizer, REPLY["content"])
+    rows = [
+        {"id": str(i), "conversations": [{**USER, "content": f"{i}"}, {**REPLY, "token_ids": spelled}]}
+        for i in range(MAX_LOGGED_MISMATCHES + 3)
+    ]
+    with caplog.at_level("WARNING"):
+        _, summary = prepare_dataset(_write_jsonl(tmp_path / "ids.jsonl", rows), tiny_tokenizer, 256)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[:-1] == [
+        f"{tmp_path / 'ids.jsonl'}:{n}: the reply text does not re-tokenise to its token_ids (trained on the ids)"
+        for n in range(1, MAX_LOGGED_MISMATCHES + 1)
+    ]
+    assert lines[-1].startswith(
+        f"{tmp_path / 'ids.jsonl'}: 3 more replies do not re-tokenise to their token_ids"
+    )
+    assert summary["num_token_ids_mismatch"] == MAX_LOGGED_MISMATCHES + 3
+    assert summary["token_ids_mismatch_lines"] == list(range(1, MAX_LOGGED_MISMATCHES + 4))
+
+
 def test_token_ids_of_every_reply_of_a_multi_turn_conversation_are_used(tiny_tokenizer, tmp_path):
     second_user = {"role": "user", "content": "And back?"}
     second = {"role": "assistant", "content": "9, 8, 7, 6, 5, 4, 3."}

@@ -32,6 +32,10 @@ from dflash2.data.render import has_trainable_block, render_with_token_ids
 logger = logging.getLogger(__name__)
 SUMMARY_FILE = "summary.json"
 MAX_REPORTED_ERRORS = 100
+# Replies whose text does not re-tokenise to their token_ids are logged one line each up to this many,
+# then counted in one line: they are expected (a target's greedy ids are often not the canonical
+# tokenisation of their text) and trained on their ids, so the console does not list them all.
+MAX_LOGGED_MISMATCHES = 5
 
 
 FEATURES = datasets.Features(
@@ -46,7 +50,8 @@ FEATURES = datasets.Features(
 @dataclass
 class _Tally:
     """What happened to the lines of a file: the summary's counts and first MAX_REPORTED_ERRORS
-    entries; every entry is also logged (unless quiet) as `<file>:<line>: <reason> (<what was done>)`."""
+    entries; every entry is also logged (unless quiet) as `<file>:<line>: <reason> (<what was done>)`,
+    but for the token_ids mismatches past the first MAX_LOGGED_MISMATCHES (counted in one line)."""
 
     path: Path
     quiet: bool = False
@@ -63,10 +68,22 @@ class _Tally:
         self.num_with_token_ids += 1
         if not matches_text:
             self.token_ids_mismatches.append(line_number)
-            if len(self.token_ids_mismatches) <= MAX_REPORTED_ERRORS:
+            if len(self.token_ids_mismatches) <= MAX_LOGGED_MISMATCHES:
                 self.log(
                     line_number, "the reply text does not re-tokenise to its token_ids (trained on the ids)"
                 )
+
+    def finish(self) -> None:
+        """One line for the mismatches not logged one by one."""
+        more = len(self.token_ids_mismatches) - MAX_LOGGED_MISMATCHES
+        if more > 0 and not self.quiet:
+            logger.warning(
+                "%s: %d more replies do not re-tokenise to their token_ids (trained on the ids; "
+                "the first %d lines are in the summary's token_ids_mismatch_lines)",
+                self.path,
+                more,
+                MAX_REPORTED_ERRORS,
+            )
 
     def drop(self, error: SampleError, line_number: int) -> None:
         self.drops[error.code] += 1
@@ -141,6 +158,7 @@ def prepare_dataset(
         rows["loss_mask"].append(loss_mask)
     if tally.num_lines == 0:
         raise ValueError(f"{jsonl_path} holds no conversation (it is empty): give a training_jsonl file")
+    tally.finish()
     summary = _summary(jsonl_path, max_length, chat_template_kwargs, rows, tally)
     summary.update(duplicates_policy=duplicates)
     return datasets.Dataset.from_dict(rows, features=FEATURES), summary
