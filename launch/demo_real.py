@@ -37,6 +37,32 @@ ARCHITECTURES = {"dflash": DFLASH.name, "dflash2": DFLASH2.name}
 
 
 @dataclass(frozen=True)
+class Budget:
+    """How many replies are regenerated and how many steps each draft trains: what fits the demo's
+    45 minutes on two cores in that precision (docs/training.md, "The demo's budget per precision")."""
+
+    regen_samples: int
+    steps: int
+
+
+# fp32 (a CPU without bf16 instructions) computes about 1.6x slower here: a smaller budget in the same minutes
+BUDGETS = {"bf16": Budget(regen_samples=1024, steps=1500), "fp32": Budget(regen_samples=512, steps=800)}
+
+
+def apply_budget(args: argparse.Namespace) -> str:
+    """Fill --regen-samples and --steps left unset from the budget of the run's precision; returns the
+    line that says which budget the run has."""
+    budget = BUDGETS[args.precision]
+    given = [name for name in ("regen_samples", "steps") if getattr(args, name) is not None]
+    args.regen_samples = budget.regen_samples if args.regen_samples is None else args.regen_samples
+    args.steps = budget.steps if args.steps is None else args.steps
+    what = f"{args.regen_samples} replies, {args.steps} steps a draft"
+    if len(given) == 2:
+        return f"budget {what} (as given)"
+    return f"budget {what}: the {args.precision} budget{' but ' + ', '.join(given) + ' as given' if given else ''}"
+
+
+@dataclass(frozen=True)
 class Sources:
     """What the shared stages read: the target, the training conversations, the held-out prompts."""
 
@@ -87,7 +113,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--target", type=Path, default=None, help="an existing SmolLM2 checkpoint (default: build it, cached)"
     )
     parser.add_argument("--num-prompts", type=int, default=1500, help="training prompts built")
-    parser.add_argument("--regen-samples", type=int, default=1024, help="of them, regenerated and trained on")
+    parser.add_argument(
+        "--regen-samples",
+        type=int,
+        default=None,
+        help="of them, regenerated and trained on (default: the precision's budget, 1024 in bf16, 512 in fp32)",
+    )
     parser.add_argument("--regen-batch-size", type=int, default=32)
     parser.add_argument("--regen-max-new-tokens", type=int, default=128, help="longest regenerated reply")
     parser.add_argument("--max-length", type=int, default=768, help="training sequence length")
@@ -101,7 +132,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=[1, 14, 27],
         help="target layers the drafts read, comma-separated (of 0..29)",
     )
-    parser.add_argument("--steps", type=int, default=1500, help="optimizer steps per draft (equal budget)")
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="optimizer steps per draft (equal budget; default: the precision's budget, 1500 in bf16, 800 in fp32)",
+    )
     parser.add_argument(
         "--precision",
         choices=("auto", "bf16", "fp32"),
@@ -210,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.precision == "auto":
         args.precision, why = default_cpu_precision()
         print(f"precision {why}")
+    print(apply_budget(args))
     out = (REPO / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     start, stages = time.time(), Stages(total=6)

@@ -1,5 +1,5 @@
 """bf16 only where the CPU computes it: the flags read from /proc/cpuinfo, the demo's default
-precision and the warning of a bf16 run on a CPU that emulates bf16."""
+precision and its budget, and the warning of a bf16 run on a CPU that emulates bf16."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from dflash2.hardware import cpu_flags, cpu_has_native_bf16, default_cpu_precision, slow_bf16_warning
+from tests.run_helpers import load_script
 
 CPU = torch.device("cpu")
 ZEN3 = "processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse sse2 avx avx2 fma\n\nprocessor\t: 1\n"
@@ -74,3 +75,32 @@ def test_cpu_bf16_benchmark_runs(capsys):
     assert report["native_bf16"] is cpu_has_native_bf16()
     assert report["gflops_fp32"] > 0 and report["gflops_bf16"] > 0
     assert json.loads(capsys.readouterr().out) == report
+
+
+@pytest.mark.parametrize(
+    ("argv", "replies", "steps", "line"),
+    [
+        (["--precision", "bf16"], 1024, 1500, "budget 1024 replies, 1500 steps a draft: the bf16 budget"),
+        (["--precision", "fp32"], 512, 800, "budget 512 replies, 800 steps a draft: the fp32 budget"),
+        (
+            ["--precision", "fp32", "--steps", "1500"],
+            512,
+            1500,
+            "budget 512 replies, 1500 steps a draft: the fp32 budget but steps as given",
+        ),
+        (
+            ["--precision", "bf16", "--regen-samples", "1500", "--steps", "2500"],
+            1500,
+            2500,
+            "budget 1500 replies, 2500 steps a draft (as given)",
+        ),
+    ],
+)
+def test_the_real_demos_budget_follows_its_precision(argv, replies, steps, line):
+    """launch/demo_real.py: --regen-samples and --steps left unset come from the budget of the run's
+    precision (fp32, on a CPU without bf16 instructions, runs about 1.6x slower: a smaller budget in
+    the same 45 minutes); what the command line gives is kept, and one line says which it is."""
+    demo_real = load_script("launch/demo_real.py")
+    args = demo_real._parse_args(argv)
+    assert demo_real.apply_budget(args) == line
+    assert (args.regen_samples, args.steps) == (replies, steps)
