@@ -49,6 +49,11 @@ class Budget:
 BUDGETS = {"bf16": Budget(regen_samples=1024, steps=1500), "fp32": Budget(regen_samples=512, steps=800)}
 
 
+def _budget_help(field: str) -> str:
+    values = ", ".join(f"{precision} {getattr(budget, field)}" for precision, budget in BUDGETS.items())
+    return f"default: the precision's budget, {values}"
+
+
 def apply_budget(args: argparse.Namespace) -> str:
     """Fill --regen-samples and --steps left unset from the budget of the run's precision; returns the
     line that says which budget the run has."""
@@ -116,8 +121,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--regen-samples",
         type=int,
-        default=None,
-        help="of them, regenerated and trained on (default: the precision's budget, 1024 in bf16, 512 in fp32)",
+        help=f"of them, regenerated and trained on ({_budget_help('regen_samples')})",
     )
     parser.add_argument("--regen-batch-size", type=int, default=32)
     parser.add_argument("--regen-max-new-tokens", type=int, default=128, help="longest regenerated reply")
@@ -133,10 +137,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="target layers the drafts read, comma-separated (of 0..29)",
     )
     parser.add_argument(
-        "--steps",
-        type=int,
-        default=None,
-        help="optimizer steps per draft (equal budget; default: the precision's budget, 1500 in bf16, 800 in fp32)",
+        "--steps", type=int, help=f"optimizer steps per draft (equal budget; {_budget_help('steps')})"
     )
     parser.add_argument(
         "--precision",
