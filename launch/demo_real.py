@@ -45,7 +45,7 @@ class Budget:
     steps: int
 
 
-# fp32 (a CPU without bf16 instructions) computes about 1.6x slower here: a smaller budget in the same minutes
+# fp32 (a CPU without bf16 instructions) runs the demo about 1.7x slower (on two Zen 3 cores): a smaller budget in the same minutes
 BUDGETS = {"bf16": Budget(regen_samples=1024, steps=1500), "fp32": Budget(regen_samples=512, steps=800)}
 
 

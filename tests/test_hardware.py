@@ -98,7 +98,7 @@ def test_cpu_bf16_benchmark_runs(capsys):
 )
 def test_the_real_demos_budget_follows_its_precision(argv, replies, steps, line):
     """launch/demo_real.py: --regen-samples and --steps left unset come from the budget of the run's
-    precision (fp32, on a CPU without bf16 instructions, runs about 1.6x slower: a smaller budget in
+    precision (fp32, on a CPU without bf16 instructions, runs the demo about 1.7x slower: a smaller budget in
     the same 45 minutes); what the command line gives is kept, and one line says which it is."""
     demo_real = load_script("launch/demo_real.py")
     args = demo_real._parse_args(argv)
