@@ -45,7 +45,8 @@ class Budget:
     steps: int
 
 
-# fp32 (a CPU without bf16 instructions) runs the demo about 1.7x slower (on two Zen 3 cores): a smaller budget in the same minutes
+# fp32 (a CPU without bf16 instructions) runs the demo about 1.7x slower on two Zen 3 cores: a smaller
+# budget in the same minutes
 BUDGETS = {"bf16": Budget(regen_samples=1024, steps=1500), "fp32": Budget(regen_samples=512, steps=800)}
 
 
@@ -57,14 +58,16 @@ def _budget_help(field: str) -> str:
 def apply_budget(args: argparse.Namespace) -> str:
     """Fill --regen-samples and --steps left unset from the budget of the run's precision; returns the
     line that says which budget the run has."""
-    budget = BUDGETS[args.precision]
-    given = [name for name in ("regen_samples", "steps") if getattr(args, name) is not None]
-    args.regen_samples = budget.regen_samples if args.regen_samples is None else args.regen_samples
-    args.steps = budget.steps if args.steps is None else args.steps
-    what = f"{args.regen_samples} replies, {args.steps} steps a draft"
+    given = []
+    for field in ("regen_samples", "steps"):
+        if getattr(args, field) is None:
+            setattr(args, field, getattr(BUDGETS[args.precision], field))
+        else:
+            given.append(field)
+    line = f"budget {args.regen_samples} replies, {args.steps} steps a draft"
     if len(given) == 2:
-        return f"budget {what} (as given)"
-    return f"budget {what}: the {args.precision} budget{' but ' + ', '.join(given) + ' as given' if given else ''}"
+        return f"{line} (as given)"
+    return f"{line}: the {args.precision} budget" + "".join(f" but {field} as given" for field in given)
 
 
 @dataclass(frozen=True)
