@@ -462,7 +462,7 @@ def evaluate_drafts(
             chat_template_kwargs=kwargs,
             notes=notes,
         )
-        write_reports(summary, *(None if paths is None else paths[i] for paths in outputs.values()))
+        write_reports(summary, _nth(out_jsons, i), _nth(tb_dirs, i), _nth(plot_paths, i))
         summaries.append(summary)
     return summaries
 
@@ -486,6 +486,11 @@ def drafts_settings(
             f"({', '.join(sorted(rendered))}): evaluate them one at a time, or pass --chat-template-kwargs"
         )
     return settings
+
+
+def _nth(paths: Sequence[str | Path] | None, i: int) -> str | Path | None:
+    """The i-th draft's path of a per-draft option, None where the option was not given."""
+    return None if paths is None else paths[i]
 
 
 def write_reports(

@@ -622,9 +622,11 @@ def test_cli_writes_json_tensorboard_and_plot(tiny_default, tmp_path, capsys):
 
 def test_cli_compares_several_drafts_against_one_target_decode(tiny_default, tmp_path, monkeypatch, capsys):
     """--draft A B: one report per draft, each equal to evaluating that draft alone (speed aside), the
-    target alone decoding each prompt once; one path per draft for --out, and drafts whose training
-    runs rendered prompts differently are refused with the fix, as is a count of --out paths that is
-    not the drafts'."""
+    target alone decoding each prompt once; one path per draft for --out and --tb-dir, and drafts whose
+    training runs rendered prompts differently are refused with the fix, as is a count of --out paths
+    that is not the drafts'."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     from dflash2.export import export_draft
     from tests.conftest import REPO_ROOT
 
@@ -642,9 +644,19 @@ def test_cli_compares_several_drafts_against_one_target_decode(tiny_default, tmp
         ev, "timed_target_generate", lambda *a, **k: target_decodes.append(1) or plain(*a, **k)
     )
     outs = [str(tmp_path / "a.json"), str(tmp_path / "b.json")]
-    together = ev.main(["--draft", str(exports[0]), str(exports[1]), *common, "--out", *outs])
+    tbs = [str(tmp_path / "tb_a"), str(tmp_path / "tb_b")]
+    together = ev.main(
+        ["--draft", str(exports[0]), str(exports[1]), *common, "--out", *outs, "--tb-dir", *tbs]
+    )
     assert len(target_decodes) == 3
     assert [json.loads(open(o).read()) for o in outs] == together
+    for tb, summary in zip(tbs, together):  # each draft's scalars in its own directory, at its own step
+        events = EventAccumulator(tb)
+        events.Reload()
+        (logged,) = events.Scalars("eval/mean_acceptance_length")
+        assert logged.step == summary["step"] and logged.value == pytest.approx(
+            summary["mean_acceptance_length"]
+        )
     assert [s["draft"] for s in together] == [str(exports[0]), str(exports[1])]
     assert [s["step"] for s in together] == [10, 11]
     printed = capsys.readouterr().out
