@@ -124,10 +124,11 @@ _launcher_pid: int | None = None  # the parent whose death exit_with_launcher wa
 
 
 def exit_with_launcher() -> None:
-    """Under a launcher (RANK is set: torchrun, the deepspeed launcher), have Linux send this process
-    SIGTERM when the launcher dies. A plain `python` run keeps running if its shell goes away."""
+    """Under a launcher (RANK in the environment this process started with: torchrun, the deepspeed
+    launcher), have Linux send this process SIGTERM when the launcher dies. A plain `python` run
+    keeps running if its shell goes away, also once it has set RANK itself."""
     global _launcher_pid
-    if "RANK" not in os.environ or not sys.platform.startswith("linux"):
+    if not sys.platform.startswith("linux") or _job_of(os.getpid()) is None:
         return
     _launcher_pid = os.getppid()
     libc = ctypes.CDLL(None, use_errno=True)
@@ -176,11 +177,15 @@ def collective_section(what: str) -> Iterator[None]:
 def end_sibling_workers() -> None:
     """SIGKILL the other workers of this job started by this process's launcher: after a collective
     failed the job cannot go on, and a frozen worker would wait for the launcher's own SIGKILL
-    (torchrun: 30 s later). Only processes of the same job (same rendezvous address and world size)."""
-    if _launcher_pid is None or os.getppid() != _launcher_pid:
+    (torchrun: 30 s later). Only processes of the same job (same rendezvous address and world size),
+    and only from a process its launcher started as a worker (RANK in the environment it started
+    with): a process that set RANK itself (a plain `python` run, a test) has no siblings, and the
+    other children of its parent are no workers of its job."""
+    job = _job_of(os.getpid())
+    if _launcher_pid is None or os.getppid() != _launcher_pid or job is None:
         return
     for pid in _children_of(_launcher_pid):
-        if pid != os.getpid() and _job_of(pid) == _job_of(os.getpid()):
+        if pid != os.getpid() and _job_of(pid) == job:
             with suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 

@@ -350,6 +350,31 @@ def test_a_failed_collective_ends_the_workers_of_its_job_and_nothing_else(launch
     assert other.alive()
 
 
+def test_a_process_that_sets_rank_itself_ends_no_sibling_and_keeps_running_without_its_parent(
+    launched, tmp_path
+):
+    """RANK set in the process (a plain run's one-process world, an in-process test) does not make it
+    a launched worker: its parent's death does not signal it, and a failed collective ends no other
+    child of its parent (pytest-xdist's other worker, say), even with the parent taken for a launcher."""
+    sleeper = "import time; time.sleep(60)"
+    ender = (
+        "import os; os.environ.update(RANK='0', WORLD_SIZE='2', MASTER_ADDR='127.0.0.1', MASTER_PORT='29999'); "
+        "from dflash2 import faults; faults.exit_with_launcher(); print('watching', faults._launcher_pid); "
+        "faults._launcher_pid = os.getppid(); faults.end_sibling_workers(); print('ended', flush=True)"
+    )
+    py = f"'{sys.executable}'"
+    script = f"{py} -c '{sleeper}' & echo $! > {tmp_path}/other; sleep 1; {py} -c \"{ender}\"; wait"
+    launched(["bash", "-c", script], tmp_path / "log")
+    deadline = time.monotonic() + 60
+    while "ended" not in (tmp_path / "log").read_text():
+        assert time.monotonic() < deadline, (tmp_path / "log").read_text()
+        time.sleep(0.05)
+    assert (tmp_path / "log").read_text().splitlines()[0] == "watching None"
+    other = Process(int((tmp_path / "other").read_text()))
+    launched.track([other])
+    assert other.alive()
+
+
 def test_launcher_exit_code_is_the_workers():
     assert job_exit_code([EXIT_STOPPED, EXIT_STOPPED]) == EXIT_STOPPED
     assert job_exit_code([EXIT_STOPPED, -signal.SIGTERM]) == EXIT_STOPPED  # ended while exiting
