@@ -30,9 +30,25 @@ OUTSIDE_ENVIRONMENT = (
     "MASTER_PORT", "TORCHELASTIC_RUN_ID", "DFLASH2_DEBUG", "DFLASH2_DIST_TIMEOUT_S",
     "DFLASH2_MASTER_PORT", "DFLASH2_ROOT",
 )  # fmt: skip
-for name in list(os.environ):
-    if name in OUTSIDE_ENVIRONMENT or name.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_")):
-        del os.environ[name]
+
+
+def drop_outside_environment() -> None:
+    for name in list(os.environ):
+        if name in OUTSIDE_ENVIRONMENT or name.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_")):
+            del os.environ[name]
+
+
+drop_outside_environment()
+
+
+@pytest.fixture(autouse=True)
+def no_launcher_environment_left_behind():
+    """A test that runs a one-process world in this process leaves RANK, WORLD_SIZE, MASTER_PORT, ...
+    in its environment (dflash2.distributed.env fills them in): dropped after every test, else every
+    later test's runs would start with them, as workers of a launcher that is not there."""
+    yield
+    drop_outside_environment()
+
 
 # DeepSpeed JIT-compiles a shared-memory comm op at its first init_distributed, in every rank at once
 # behind a lock file. A rank killed mid-build (a test's timeout, a fault test's SIGKILL, torchrun's

@@ -363,7 +363,9 @@ def test_a_process_that_sets_rank_itself_ends_no_sibling_and_keeps_running_witho
         "faults._launcher_pid = os.getppid(); faults.end_sibling_workers(); print('ended', flush=True)"
     )
     py = f"'{sys.executable}'"
-    script = f"{py} -c '{sleeper}' & echo $! > {tmp_path}/other; sleep 1; {py} -c \"{ender}\"; wait"
+    script = (
+        f"{py} -c '{sleeper}' & echo $! > {tmp_path}/other; sleep 1; env -u RANK {py} -c \"{ender}\"; wait"
+    )
     launched(["bash", "-c", script], tmp_path / "log")
     deadline = time.monotonic() + 60
     while "ended" not in (tmp_path / "log").read_text():
