@@ -371,7 +371,7 @@ def test_a_process_that_sets_rank_itself_ends_no_sibling_and_keeps_running_witho
     while "ended" not in (tmp_path / "log").read_text():
         assert time.monotonic() < deadline, (tmp_path / "log").read_text()
         time.sleep(0.05)
-    assert (tmp_path / "log").read_text().splitlines()[0] == "watching None"
+    assert "watching None" in (tmp_path / "log").read_text().splitlines()
     other = Process(int((tmp_path / "other").read_text()))
     launched.track([other])
     assert other.alive()
