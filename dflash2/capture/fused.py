@@ -25,8 +25,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from dflash2.capture.features import capture_samples, split_last_hidden
-from dflash2.capture.offline import MANIFEST, _ShardWriter, feature_identity, write_manifest
+from dflash2.capture.offline import MANIFEST, _ShardWriter, capture_into, feature_identity, write_manifest
 from dflash2.config import RunConfig
 from dflash2.data.regenerate import Reply
 from dflash2.distributed.local_backend import LocalBackend
@@ -109,11 +108,7 @@ def _capture_rest(
     hidden_size = model.config.get_text_config().hidden_size
     for first in range(0, len(indices), batch_size):
         batch = indices[first : first + batch_size]
-        captured = capture_samples(backend, model, dataset, batch, layer_ids, pad_token_id, True).cpu()
-        features, last_hidden = split_last_hidden(captured, hidden_size, True)
-        for row, index in enumerate(batch):
-            length = len(dataset[index]["input_ids"])
-            writer.add(index, features[row, :length].clone(), last_hidden[row, :length].clone())
+        capture_into(writer, backend, model, dataset, batch, layer_ids, hidden_size, pad_token_id)
     writer.flush()
 
 

@@ -115,15 +115,29 @@ def capture_dataset(
     `out_dir`; returns sample -> shard name. Collective over the target's group: every rank calls it
     with the same dataset."""
     writer = _ShardWriter(out_dir, backend.rank, shard_bytes)
-    rounds = _capture_rounds(len(dataset), backend.rank, backend.world_size, batch_size)
-    for indices in rounds:
-        captured = capture_samples(backend, target, dataset, indices, layer_ids, pad_token_id, True).cpu()
-        features, last_hidden = split_last_hidden(captured, hidden_size, True)
-        for row, index in enumerate(indices):
-            length = len(dataset[index]["input_ids"])
-            writer.add(index, features[row, :length].clone(), last_hidden[row, :length].clone())
+    for indices in _capture_rounds(len(dataset), backend.rank, backend.world_size, batch_size):
+        capture_into(writer, backend, target, dataset, indices, layer_ids, hidden_size, pad_token_id)
     writer.flush()
     return writer.sample_shard
+
+
+def capture_into(
+    writer: _ShardWriter,
+    backend: Backend,
+    target: torch.nn.Module,
+    dataset,
+    indices: list[int],
+    layer_ids: list[int],
+    hidden_size: int,
+    pad_token_id: int,
+) -> None:
+    """One forward of `target` over samples `indices`; each sample's features and last hidden state,
+    cut to its length, added to `writer`."""
+    captured = capture_samples(backend, target, dataset, indices, layer_ids, pad_token_id, True).cpu()
+    features, last_hidden = split_last_hidden(captured, hidden_size, True)
+    for row, index in enumerate(indices):
+        length = len(dataset[index]["input_ids"])
+        writer.add(index, features[row, :length].clone(), last_hidden[row, :length].clone())
 
 
 def write_manifest(
