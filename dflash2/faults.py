@@ -184,15 +184,16 @@ def end_sibling_workers() -> None:
     job = _job_of(os.getpid())
     if _launcher_pid is None or os.getppid() != _launcher_pid or job is None:
         return
-    for pid in _children_of(_launcher_pid):
+    for pid in children_of(_launcher_pid):
         if pid != os.getpid() and _job_of(pid) == job:
             with suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
 
-def _children_of(parent: int) -> list[int]:
-    """Process ids whose parent is `parent`, from /proc (its per-task `children` files are optional)."""
-    children = []
+def children_of(parent: int) -> list[int]:
+    """Ids of the live (not zombie) children of `parent`, oldest first, from /proc (its per-task
+    `children` files are optional). Ordered by start time: ids are not ordered once they wrap."""
+    found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -200,9 +201,10 @@ def _children_of(parent: int) -> list[int]:
             stat = Path("/proc", entry, "stat").read_text()
         except OSError:  # the process ended meanwhile
             continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == parent:  # fields after "(comm)": state, ppid, ...
-            children.append(int(entry))
-    return children
+        fields = stat.rsplit(")", 1)[1].split()  # the fields after "(comm)": state, ppid, ...
+        if int(fields[1]) == parent and fields[0] != "Z":
+            found.append((int(fields[19]), int(entry)))  # starttime, in clock ticks
+    return [pid for _, pid in sorted(found)]
 
 
 def process_environ(pid: int) -> dict[str, str]:

@@ -14,7 +14,7 @@ import weakref
 from contextlib import suppress
 from pathlib import Path
 
-from dflash2.faults import process_environ
+from dflash2.faults import children_of, process_environ
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_CONFIG = REPO / "configs" / "tiny-dflash2.yaml"
@@ -140,17 +140,12 @@ class Process:
 
 
 def children(pid: int) -> list[Process]:
-    """The live children of `pid`, oldest first (by start time: ids are not ordered once they wrap)."""
+    """The live children of `pid`, oldest first, held by pidfds."""
     found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path("/proc", entry, "stat").read_text().rsplit(")", 1)[1].split()
-                if int(fields[1]) == pid and fields[0] != "Z":  # fields after "(comm)": state, ppid, ...
-                    found.append((int(fields[19]), Process(int(entry))))  # starttime, in clock ticks
-            except OSError:  # ended meanwhile (ProcessLookupError is one)
-                continue
-    return [process for _, process in sorted(found, key=lambda item: (item[0], item[1].pid))]
+    for child in children_of(pid):
+        with suppress(ProcessLookupError):  # ended meanwhile
+            found.append(Process(child))
+    return found
 
 
 def wait_gone(processes: list[Process], timeout: float) -> float:
