@@ -61,7 +61,7 @@ from dflash2.config import RunConfig, load_run_config  # noqa: E402
 from dflash2.data.loader import StepBatch, anchor_generators, step_batches  # noqa: E402
 from dflash2.distributed import init_distributed, shutdown_distributed  # noqa: E402
 from dflash2.objective import plan_blocks, supervised_mask  # noqa: E402
-from dflash2.run import offline_features, run, run_backend  # noqa: E402
+from dflash2.run import run, run_backend  # noqa: E402
 from dflash2.run_plan import resolve_run  # noqa: E402
 from dflash2.timing import ITERATION, STEP, StepTimer, region  # noqa: E402
 from dflash2.train import Setup, build_setup, capture_features, fit, load_batch, train_step  # noqa: E402
@@ -376,7 +376,7 @@ def history_json(history: list) -> list:
 def measure_colocated(cfg: RunConfig, args: argparse.Namespace, work_dir: Path) -> dict:
     plan = resolve_run(cfg, cfg.data_parallel_size(dist.get_world_size()))  # as run_colocated
     backend = run_backend(plan.config)
-    setup = build_setup(plan, backend, features=offline_features(plan))
+    setup = build_setup(plan, backend)
     num_steps = args.warmup + args.steps
     steps = run_steps(setup, num_steps)
     passes: dict[str, list] = {}

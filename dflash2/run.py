@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from dflash2.capture.features import capture_samples
 from dflash2.capture.fused import StagedFeatures, finish_fused_capture, regeneration_stamp
-from dflash2.capture.offline import OfflineFeatures, capture_to_dir, feature_identity
+from dflash2.capture.offline import capture_to_dir, feature_identity
 from dflash2.capture.transfer import FeatureReceiver, FeatureSender, capture_schedule
 from dflash2.config import RunConfig, save_run_config
 from dflash2.data.loader import step_batches
@@ -74,21 +74,12 @@ def save_resolved_config(cfg: RunConfig, backend: Backend) -> None:
 # ------------------------------------------------------------------ colocated
 
 
-def offline_features(plan: RunPlan) -> OfflineFeatures | None:
-    """The features of data.features_dir, checked against this run; None: capture online."""
-    cfg = plan.config
-    if not cfg.data.features_dir:
-        return None
-    identity = feature_identity(cfg, plan.layer_ids, plan.identity)
-    return OfflineFeatures(cfg.data.features_dir, identity, last_hidden=cfg.objective.needs_teacher)
-
-
 def run_colocated(cfg: RunConfig) -> dict[str, float]:
     init_distributed(cfg.backend)
     plan = resolve_run(cfg, cfg.data_parallel_size(dist.get_world_size()))
     backend = run_backend(plan.config)
     with collective_section("setup (loading the target and the draft)"):
-        setup = build_setup(plan, backend, features=offline_features(plan))
+        setup = build_setup(plan, backend)
     save_resolved_config(plan.config, backend)  # only once the resume has been accepted
     return fit(setup)
 

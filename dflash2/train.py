@@ -18,6 +18,7 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 
 from dflash2.capture.features import FeatureSource, split_last_hidden, target_features
+from dflash2.capture.offline import OfflineFeatures, feature_identity
 from dflash2.checkpoint import TrainState, check_resume, load_checkpoint, save_checkpoint
 from dflash2.config import RunConfig, torch_dtype
 from dflash2.data.loader import StepBatch, anchor_generators, collate, step_batches
@@ -98,10 +99,22 @@ def build_target(plan: RunPlan, backend: Backend, load_full: bool) -> tuple[nn.M
     return target, backend.target_head(target, dtype)
 
 
-def build_setup(plan: RunPlan, backend: Backend, features: FeatureSource | None = None) -> Setup:
-    """`features`: where the step gets features (offline features, the capture ranks' receiver),
-    chosen by dflash2.run; None: the step runs the target itself (online capture)."""
+def offline_features(plan: RunPlan) -> OfflineFeatures | None:
+    """The features of data.features_dir, checked against this run; None: capture online."""
     cfg = plan.config
+    if not cfg.data.features_dir:
+        return None
+    identity = feature_identity(cfg, plan.layer_ids, plan.identity)
+    return OfflineFeatures(cfg.data.features_dir, identity, last_hidden=cfg.objective.needs_teacher)
+
+
+def build_setup(plan: RunPlan, backend: Backend, features: FeatureSource | None = None) -> Setup:
+    """`features`: where the step gets features, when not from the config (the disaggregated
+    trainers pass the capture ranks' receiver); None: as the config says, the offline features of
+    data.features_dir when it is set, else the step runs the target itself (online capture)."""
+    cfg = plan.config
+    if features is None:
+        features = offline_features(plan)
     warn_if_slow_bf16(
         backend.device, torch_dtype(cfg.precision), cfg.target_torch_dtype, is_main=backend.is_main
     )

@@ -121,6 +121,26 @@ def test_training_from_features_matches_online_and_never_loads_the_target(
     assert first[1]["num_supervised_tokens"] == first[0]["num_supervised_tokens"]
 
 
+def test_the_python_api_trains_from_the_configs_features_like_online_capture(
+    features_dir, overrides, tmp_path
+):
+    """build_setup without `features` follows data.features_dir (it once captured online instead)."""
+    import dflash2
+
+    first_loss = {}
+    for name, features in (("online", "null"), ("offline", str(features_dir))):
+        cfg = dflash2.load_run_config(
+            TINY_CONFIG, [*overrides, f"output_dir={tmp_path / name}", f"data.features_dir={features}"]
+        )
+        plan = dflash2.resolve_run(cfg)
+        setup = dflash2.build_setup(plan, dflash2.LocalBackend.from_run_config(plan.config))
+        assert (setup.target is None) == (name == "offline")
+        assert isinstance(setup.features, OfflineFeatures) == (name == "offline")
+        dflash2.fit(setup)
+        first_loss[name] = metrics(tmp_path / name)[0]["loss"]
+    assert first_loss["offline"] == pytest.approx(first_loss["online"], rel=1e-5)
+
+
 def test_the_stored_last_hidden_state_is_the_hf_final_normed_state(
     features_dir, overrides, tiny_default, tiny_tokenizer
 ):
