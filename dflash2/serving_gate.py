@@ -39,6 +39,7 @@ from dflash2.errors import add_debug_flag, exit_process, run_main
 from dflash2.export import read_training_run
 from dflash2.models import TargetHead, load_draft
 from dflash2.run import run
+from dflash2.target.recorded_generate import common_prefix
 
 GATE_DIR_NAME = "serving_gate"
 DATA_NAME = "gate_data.jsonl"
@@ -103,13 +104,6 @@ def prepare_gate_dir(gate_dir: Path) -> None:
             )
         shutil.rmtree(gate_dir)
     gate_dir.mkdir(parents=True, exist_ok=True)
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def train_overrides(

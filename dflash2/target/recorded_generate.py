@@ -79,7 +79,7 @@ class RecordedGeneration:
                 rests.append([])
                 continue
             reply = list(ids[prompt_lengths[row] :])
-            same = _common_prefix(reply, self.generated[row, :num_read].tolist())
+            same = common_prefix(reply, self.generated[row, :num_read].tolist())
             kept.append(same)
             rests.append(reply[same:])
         tail = self._read_rest(prompt_lengths, kept, rests)
@@ -119,7 +119,8 @@ class RecordedGeneration:
         return captured.features().cpu()
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens a and b share."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
