@@ -16,6 +16,7 @@ CLI: python -m dflash2.evaluate --draft <export> [<export> ...] --target <dir> -
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import time
 from collections.abc import Sequence
@@ -410,10 +411,10 @@ def evaluate_drafts(
     target_dir: str | Path,
     data_jsonl: str | Path,
     *,
-    num_prompts: int,
-    max_new_tokens: int,
-    temperature: float,
-    seed: int,
+    num_prompts: int = 16,
+    max_new_tokens: int = 256,
+    temperature: float = 0.0,
+    seed: int = 0,
     out_jsons: Sequence[str | Path] | None = None,
     tb_dirs: Sequence[str | Path] | None = None,
     plot_paths: Sequence[str | Path] | None = None,
@@ -520,10 +521,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--data", required=True, help="training_jsonl file; prompts = turns before the first reply"
     )
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=0)
+    defaults = inspect.signature(evaluate_drafts).parameters  # one set of defaults, Python's and the CLI's
+    for name, kind in (("max_new_tokens", int), ("num_prompts", int), ("temperature", float), ("seed", int)):
+        parser.add_argument(f"--{name.replace('_', '-')}", type=kind, default=defaults[name].default)
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
         "--precision",
