@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,7 +44,7 @@ def test_import_dflash2_loads_nothing_else():
 def test_the_readme_block_is_short_and_uses_the_public_api():
     block = python_api_block()
     assert len(block.splitlines()) < 30
-    assert "dflash2.fit(" in block and "dflash2.export_draft(" in block
+    assert "dflash2.fit(" in block and "dflash2.export_draft(" in block and "evaluate(" in block
 
 
 def logged_losses(run_dir: Path) -> list[float]:
@@ -60,6 +61,8 @@ def test_the_readme_block_runs_and_trains_as_a_launched_run(tmp_path):
         [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=1200
     )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    measured = re.search(r"^tau \d\.\d\d, \d+\.\d\dx the target alone$", run.stdout, re.MULTILINE)
+    assert measured, run.stdout[-2000:]  # the block's last line: the evaluation ran
     assert dflash2.check_export(tmp_path / "runs/python-api/export") == []
     api = logged_losses(tmp_path / "runs/python-api")
     assert len(api) == 4
