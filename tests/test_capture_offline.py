@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import dflash2
 from dflash2.capture.offline import OfflineFeatures, feature_identity
 from dflash2.config import load_run_config
 from dflash2.data.loader import collate
@@ -125,8 +126,6 @@ def test_the_python_api_trains_from_the_configs_features_like_online_capture(
     features_dir, overrides, tmp_path
 ):
     """build_setup without `features` follows data.features_dir (it once captured online instead)."""
-    import dflash2
-
     first_loss = {}
     for name, features in (("online", "null"), ("offline", str(features_dir))):
         cfg = dflash2.load_run_config(
