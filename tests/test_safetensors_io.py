@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash2.capture.offline import _ShardWriter
+from dflash2.capture.offline import ShardWriter
 from dflash2.distributed import state_io
 from dflash2.export import export_draft
 from dflash2.models import build_draft
@@ -67,7 +67,7 @@ def test_exports_checkpoints_and_feature_shards_are_readable_like_their_json(tmp
     checkpoint = save(FakeBackend(), tmp_path / "run", 3)
     state_io.save_state({"w": torch.ones(3)}, checkpoint / "backend" / "rank00000")
     (tmp_path / "features").mkdir()
-    writer = _ShardWriter(tmp_path / "features", rank=0, shard_bytes=1)
+    writer = ShardWriter(tmp_path / "features", rank=0, shard_bytes=1)
     writer.add(0, torch.ones(4, 8), torch.ones(4, 2))
     expected = plain_file_mode(tmp_path)
     files = [

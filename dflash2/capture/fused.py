@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from dflash2.capture.offline import MANIFEST, _ShardWriter, capture_into, feature_identity, write_manifest
+from dflash2.capture.offline import MANIFEST, ShardWriter, capture_into, feature_identity, write_manifest
 from dflash2.config import RunConfig
 from dflash2.data.regenerate import Reply
 from dflash2.distributed.local_backend import LocalBackend
@@ -98,7 +98,7 @@ def _capture_rest(
     dataset,
     indices: list[int],
     layer_ids: list[int],
-    writer: _ShardWriter,
+    writer: ShardWriter,
     pad_token_id: int,
     batch_size: int,
 ) -> None:
@@ -140,7 +140,7 @@ def finish_fused_capture(
             sample_shard[index], sample_keys[index] = place
         else:
             rest.append(index)
-    writer = _ShardWriter(out_dir, 0, shard_bytes)
+    writer = ShardWriter(out_dir, 0, shard_bytes)
     _capture_rest(model, dataset, rest, layer_ids, writer, pad_token_id, batch_size)
     sample_shard.update(writer.sample_shard)
     sample_keys.update({index: str(index) for index in writer.sample_shard})

@@ -59,7 +59,7 @@ def feature_identity(cfg: RunConfig, layer_ids: list[int], identity: RunIdentity
 # ------------------------------------------------------------------ writing
 
 
-class _ShardWriter:
+class ShardWriter:
     """Buffers one rank's per-sample features and writes a safetensors shard every `shard_bytes`."""
 
     def __init__(self, out_dir: Path, rank: int, shard_bytes: int) -> None:
@@ -114,7 +114,7 @@ def capture_dataset(
     """Capture this rank's share of `dataset` (features and the last hidden state) into shards under
     `out_dir`; returns sample -> shard name. Collective over the target's group: every rank calls it
     with the same dataset."""
-    writer = _ShardWriter(out_dir, backend.rank, shard_bytes)
+    writer = ShardWriter(out_dir, backend.rank, shard_bytes)
     for indices in _capture_rounds(len(dataset), backend.rank, backend.world_size, batch_size):
         capture_into(writer, backend, target, dataset, indices, layer_ids, hidden_size, pad_token_id)
     writer.flush()
@@ -122,7 +122,7 @@ def capture_dataset(
 
 
 def capture_into(
-    writer: _ShardWriter,
+    writer: ShardWriter,
     backend: Backend,
     target: torch.nn.Module,
     dataset,
