@@ -41,7 +41,8 @@ from torch import nn
 from dflash2.models import TargetHead
 from dflash2.models.context_cache import DraftContextCache
 from dflash2.models.draft import DFlashDraftModel
-from dflash2.target.state import TargetState, new_cache
+from dflash2.target.cache import new_cache
+from dflash2.target.state import TargetState
 from dflash2.timing import StepTimer, region
 
 Clock = Callable[[], float]
@@ -282,7 +283,7 @@ def target_generate(
     """The target's own greedy decoding (one forward per token, KV-cached): the reference speculative
     decoding must reproduce, and the plain decoding its speed is compared with."""
     device = next(target.parameters()).device
-    cache, output, ids = new_cache(target), [], [int(t) for t in input_ids]
+    cache, output, ids = new_cache(target, room=max_new_tokens), [], [int(t) for t in input_ids]
     while len(output) < max_new_tokens:
         input_ids = torch.tensor([ids], device=device)  # the LM head on the last position only
         logits = target(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits

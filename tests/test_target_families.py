@@ -258,7 +258,7 @@ def test_crop_alone_is_not_a_rollback(family_dirs):
     wrong = [name for name in expected if not torch.allclose(got[name], expected[name], atol=1e-3)]
     assert sorted(wrong) == sorted(name for name in expected if "recurrent_states" in name), wrong
 
-    from dflash2.target.state import new_cache
+    from dflash2.target.cache import new_cache
 
     target = load_target(family_dirs["gpt_oss"])
     cache = new_cache(target)

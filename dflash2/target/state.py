@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from dflash2.target.cache import new_cache
 from dflash2.target.head import TargetHead
 from dflash2.target.hooks import capture_layer_outputs
 from dflash2.target.layout import DecodingLinear
@@ -57,14 +58,6 @@ def use_decoding_layout(*modules: nn.Module) -> None:
                 and parent.lm_head_weight_t is None
             ):
                 parent.transpose_lm_head()
-
-
-def new_cache(target: nn.Module):
-    """An empty cache laid out for `target` (one layer kind per decoder layer: attention, sliding
-    window, linear attention); a cache built without the config fails on hybrid targets."""
-    from transformers import DynamicCache
-
-    return DynamicCache(config=target.config)
 
 
 def _linear_layers(cache) -> list:
