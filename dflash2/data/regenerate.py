@@ -33,6 +33,7 @@ import torch
 
 from dflash2.data.jsonl import Sample, SampleError, iter_lines, parse_sample
 from dflash2.data.render import encode_prompt, render_with_token_ids, stop_token_ids
+from dflash2.target.cache import new_cache
 from dflash2.target.recorded_generate import check_full_attention, generate_recording
 
 logger = logging.getLogger(__name__)
@@ -94,7 +95,11 @@ class LocalTargetGenerator:
         prompts = [encode_prompt(history, self.tokenizer, self.chat_template_kwargs) for history in histories]
         input_ids, attention_mask = _left_pad(prompts, self.tokenizer.pad_token_id)
         settings = dict(
-            do_sample=False, max_new_tokens=self.max_new_tokens, eos_token_id=sorted(self.stop_ids)
+            do_sample=False,
+            max_new_tokens=self.max_new_tokens,
+            eos_token_id=sorted(self.stop_ids),
+            # room for the new tokens: no step copies the whole cache (dflash2.target.cache)
+            cache=new_cache(self.model, room=self.max_new_tokens),
         )
         if self.record_layer_ids is not None:
             return self._generate_recording(histories, input_ids, attention_mask, settings)
