@@ -72,5 +72,7 @@ def test_batched_greedy_generation_is_unchanged(target, tiny_default):
     )
     with torch.no_grad():
         expected = target.generate(**settings)
-        got = target.generate(**settings, cache=new_cache(target, room=8))  # outgrown mid-generation
+        cache = new_cache(target, room=8)
+        got = target.generate(**settings, cache=cache)  # outgrown mid-generation
     assert torch.equal(got, expected)
+    assert cache.get_seq_length() == got.shape[1] - 1  # generate decoded with this cache, not its own

@@ -31,7 +31,7 @@ class RoomyLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         length, new = self.get_seq_length(), key_states.shape[-2]
-        if not self._writable(key_states, length + new):
+        if not self._writable(length + new):
             self._grow(key_states, value_states, length, length + new)
         self.key_buffer[..., length : length + new, :] = key_states
         self.value_buffer[..., length : length + new, :] = value_states
@@ -39,16 +39,11 @@ class RoomyLayer(DynamicLayer):
         self.values = self.value_buffer[..., : length + new, :]
         return self.keys, self.values
 
-    def _writable(self, key_states: torch.Tensor, needed: int) -> bool:
+    def _writable(self, needed: int) -> bool:
         """Whether the buffer holds today's keys (a crop keeps a view of it; a batch reorder or a
-        reset does not) and has room for `needed` positions of this batch."""
+        reset makes new tensors) and has room for `needed` positions."""
         buffer = self.key_buffer
-        return (
-            buffer is not None
-            and self.keys.data_ptr() == buffer.data_ptr()
-            and buffer.shape[:2] == key_states.shape[:2]
-            and buffer.shape[-2] >= needed
-        )
+        return buffer is not None and self.keys.data_ptr() == buffer.data_ptr() and buffer.shape[-2] >= needed
 
     def _grow(self, key_states, value_states, length: int, needed: int) -> None:
         capacity = needed + (self.room if self.room > 0 else needed)
