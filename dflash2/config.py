@@ -40,6 +40,7 @@ BACKENDS = {
         (("ds_config", "a DeepSpeed JSON (e.g. ds_configs/zero3.json)"),),
     ),
     "fsdp": BackendEntry("dflash2.distributed.fsdp_backend:FSDPBackend"),
+    "local": BackendEntry("dflash2.distributed.local_backend:LocalBackend"),
 }
 BackendName = Literal[tuple(BACKENDS)]
 
@@ -211,6 +212,16 @@ class RunConfig(_Section):
         if self.topology == "colocated" and self.capture_ranks:
             raise ValueError(
                 f"capture_ranks={self.capture_ranks} is only meaningful with topology=disaggregated"
+            )
+        if self.backend == "local" and self.topology == "disaggregated":
+            raise ValueError(
+                "backend=local runs in one process; topology=disaggregated needs capture ranks and "
+                "trainer ranks: use backend=fsdp or backend=deepspeed"
+            )
+        if self.backend == "local" and self.precision != "fp32":
+            raise ValueError(
+                f"backend=local trains in fp32 only, got precision={self.precision}: set precision=fp32 "
+                "(model.target_dtype may stay bf16), or train bf16 with backend=fsdp or backend=deepspeed"
             )
         return self
 

@@ -249,6 +249,8 @@ def plan_run(cfg: RunConfig, *, world_size: int, target_config, device_gb: float
     """Per-role memory of `cfg` on `world_size` ranks. Disaggregated runs have two roles."""
     if world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {world_size}")
+    if cfg.backend == "local" and world_size != 1:
+        raise ValueError(f"backend=local runs in one process, not {world_size}: plan it with --world-size 1")
     num_capture = cfg.capture_ranks if cfg.topology == "disaggregated" else 0
     if num_capture and world_size <= num_capture:
         raise ValueError(

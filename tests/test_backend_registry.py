@@ -25,7 +25,9 @@ def test_each_registry_entry_resolves_to_its_backend_class(name):
 
 
 def test_an_unknown_backend_is_refused_naming_the_known_ones():
-    with pytest.raises(ValueError, match=r"backend must be one of \('deepspeed', 'fsdp'\), got 'ddp'"):
+    with pytest.raises(
+        ValueError, match=r"backend must be one of \('deepspeed', 'fsdp', 'local'\), got 'ddp'"
+    ):
         backend_class("ddp")
 
 
@@ -42,4 +44,4 @@ def test_resolving_the_backends_and_importing_the_planner_load_no_deepspeed():
     )
     assert result.returncode == 0, result.stderr
     classes, loaded = json.loads(result.stdout)
-    assert classes == ["DeepSpeedBackend", "FSDPBackend"] and loaded == []
+    assert classes == ["DeepSpeedBackend", "FSDPBackend", "LocalBackend"] and loaded == []

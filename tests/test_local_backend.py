@@ -1,5 +1,6 @@
 """LocalBackend (one process, no process group) against FSDP2 on one gloo rank: the same run of the
-tiny config through launch/train.py, step for step; and a LocalBackend checkpoint resumes exactly."""
+tiny config through launch/train.py, step for step; a LocalBackend checkpoint resumes exactly; and
+`backend=local` in a launched run trains as the Python API does, refusing what it cannot run."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.run_helpers import REPO, TINY_CONFIG, check_ok, launch_train, metrics, run
+from dflash2.config import load_run_config
+from dflash2.errors import EXIT_USER_ERROR
+from tests.run_helpers import REPO, TINY_CONFIG, TRAIN, check_ok, launch_train, metrics, run
 
 SCRIPT = REPO / "tests" / "dist_scripts" / "train_local.py"
 STEPS = 3
@@ -79,3 +82,46 @@ def test_a_local_backend_checkpoint_resumes_exactly(local_run, common, tmp_path)
         assert {k: ours[k] for k in COMPARED} == {k: theirs[k] for k in COMPARED}, ours["step"]
     ours, theirs = final_weights(tmp_path), final_weights(local_run)
     assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+
+
+def test_a_launched_local_run_stopped_and_resumed_equals_the_python_api_run(local_run, common, tmp_path):
+    # launch/train.py with backend=local: stopped after step 2 (a checkpoint), then the same command
+    # resumes it; step for step and weight for weight what the Python API's uninterrupted run gave
+    overrides = [*common, f"output_dir={tmp_path}", "backend=local", "train.save_every=2"]
+    check_ok(launch_train(1, [*overrides, "train.stop_at_step=2"]))
+    assert [m["step"] for m in metrics(tmp_path)] == [1, 2]
+    check_ok(launch_train(1, overrides))
+    launched, api = metrics(tmp_path), metrics(local_run)
+    assert [m["step"] for m in launched] == list(range(1, STEPS + 1))
+    for ours, theirs in zip(launched, api, strict=True):
+        assert {k: ours[k] for k in COMPARED} == {k: theirs[k] for k in COMPARED}, ours["step"]
+    ours, theirs = final_weights(tmp_path), final_weights(local_run)
+    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+
+
+def test_backend_local_refuses_more_processes_bf16_and_the_disaggregated_topology(common, tmp_path):
+    # launch/torchrun.py: torchrun whose exit code is the workers' (2: a user error)
+    launcher = [sys.executable, str(REPO / "launch" / "torchrun.py"), "--standalone", "--nproc_per_node=2"]
+    result = run(
+        [
+            *launcher,
+            str(TRAIN),
+            "--config",
+            str(TINY_CONFIG),
+            *common,
+            f"output_dir={tmp_path}",
+            "backend=local",
+        ]
+    )
+    refusal = (
+        "error: backend=local trains in one process, but this launch started 2 (WORLD_SIZE): use backend=fsdp"
+    )
+    assert result.returncode == EXIT_USER_ERROR and refusal in result.stderr, result.stderr[-3000:]
+    assert result.stderr.count("error:") == 1 and "Traceback" not in result.stderr  # one rank says it
+    assert not (tmp_path / "checkpoints").exists()
+    for extra, message in [
+        (["precision=bf16"], "backend=local trains in fp32 only, got precision=bf16: set precision=fp32"),
+        (["topology=disaggregated", "capture_ranks=1"], "backend=local runs in one process; topology=disagg"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            load_run_config(TINY_CONFIG, [*common, f"output_dir={tmp_path}", "backend=local", *extra])

@@ -1,9 +1,12 @@
-"""One process, no process group: the whole target and the whole draft in this process, collectives
-the identity. What the Python API trains with (a notebook, a script, a test); a launched run names
-a backend of config.BACKENDS instead."""
+"""One process: the whole target and the whole draft in this process, collectives the identity.
+What the Python API trains with (a notebook, a script, a test; no process group), and what a
+one-process launch trains with under `backend: local` (launch/train.py starts a one-rank group
+there, for its stop and timeout handling; the step calls no collective). fp32 only."""
 
 from __future__ import annotations
 
+import os
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -12,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash2.config import OptimConfig, Precision
-from dflash2.distributed.base import Backend, RankLayout
+from dflash2.distributed.base import DTYPE_BYTES, Backend, MemoryItem, ParamCounts, RankLayout
 from dflash2.optim import build_optimizer, step_optimizer
 from dflash2.target.head import TargetHead
 from dflash2.target.load import load_full_target
@@ -41,6 +44,33 @@ class LocalBackend(Backend):
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.max_grad_norm = 0.0
         self._micro_steps = 0
+
+    @classmethod
+    def start_process_group(cls, comm: str, timeout: timedelta) -> None:
+        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        if world_size != 1:
+            raise ValueError(
+                f"backend=local trains in one process, but this launch started {world_size} "
+                "(WORLD_SIZE): use backend=fsdp or backend=deepspeed, or launch one process "
+                "(python launch/train.py)"
+            )
+        super().start_process_group(comm, timeout)
+
+    @classmethod
+    def plan_draft_state(
+        cls, counts: ParamCounts, precision: str, num_shards: int, offload: tuple[bool, bool]
+    ) -> list[MemoryItem]:
+        numel, fp32 = counts.total, DTYPE_BYTES["fp32"]
+        whole = f"{counts.total / 1e9:.3f} B, whole"
+        return [
+            MemoryItem("draft parameters", numel * fp32, f"{whole}, fp32"),
+            MemoryItem("draft gradients", numel * fp32, f"{whole}, fp32"),
+            MemoryItem("draft optimizer state", numel * 2 * fp32, "AdamW exp_avg + exp_avg_sq, fp32"),
+        ]
+
+    @classmethod
+    def plan_gathered(cls, counts: ParamCounts, dtype_bytes: int, with_grads: bool) -> tuple[float, str]:
+        return 0.0, "nothing: every parameter is held whole"
 
     @classmethod
     def build(
