@@ -27,10 +27,13 @@ def torch_dtype(precision: Precision):
 @dataclass(frozen=True)
 class BackendEntry:
     """A distribution backend: its `Backend` subclass as "module:Class" (imported only when chosen,
-    dflash2.distributed.registry) and the run-config keys naming files it reads, with what they are."""
+    dflash2.distributed.registry), the run-config keys naming files it reads, with what they are,
+    the precisions it trains in, and whether it runs in one process only (checked with the config)."""
 
     cls: str
     files: tuple[tuple[str, str], ...] = ()
+    precisions: tuple[str, ...] = PRECISIONS
+    one_process: bool = False
 
 
 # The backends a run config may name (adding one: its module and one line here, docs/architecture.md)
@@ -40,7 +43,9 @@ BACKENDS = {
         (("ds_config", "a DeepSpeed JSON (e.g. ds_configs/zero3.json)"),),
     ),
     "fsdp": BackendEntry("dflash2.distributed.fsdp_backend:FSDPBackend"),
-    "local": BackendEntry("dflash2.distributed.local_backend:LocalBackend"),
+    "local": BackendEntry(
+        "dflash2.distributed.local_backend:LocalBackend", precisions=("fp32",), one_process=True
+    ),
 }
 BackendName = Literal[tuple(BACKENDS)]
 
@@ -213,17 +218,26 @@ class RunConfig(_Section):
             raise ValueError(
                 f"capture_ranks={self.capture_ranks} is only meaningful with topology=disaggregated"
             )
-        if self.backend == "local" and self.topology == "disaggregated":
+        entry, others = BACKENDS[self.backend], " or ".join(f"backend={name}" for name in _sharded_backends())
+        if entry.one_process and self.topology == "disaggregated":
             raise ValueError(
-                "backend=local runs in one process; topology=disaggregated needs capture ranks and "
-                "trainer ranks: use backend=fsdp or backend=deepspeed"
+                f"backend={self.backend} runs in one process; topology=disaggregated needs capture ranks "
+                f"and trainer ranks: use {others}"
             )
-        if self.backend == "local" and self.precision != "fp32":
+        if self.precision not in entry.precisions:
             raise ValueError(
-                f"backend=local trains in fp32 only, got precision={self.precision}: set precision=fp32 "
-                "(model.target_dtype may stay bf16), or train bf16 with backend=fsdp or backend=deepspeed"
+                f"backend={self.backend} trains in {' or '.join(entry.precisions)} only, got "
+                f"precision={self.precision}: set precision={entry.precisions[0]} (model.target_dtype may "
+                f"still name another dtype for the target), or train {self.precision} with {others}"
             )
         return self
+
+
+def _sharded_backends() -> list[str]:
+    """The backends a run of any number of processes and either precision may name."""
+    return [
+        name for name, entry in BACKENDS.items() if not entry.one_process and entry.precisions == PRECISIONS
+    ]
 
 
 _FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from dflash2.capture.transfer import PREFETCH_DEPTH
-from dflash2.config import RunConfig, load_run_config
+from dflash2.config import BACKENDS, RunConfig, load_run_config
 from dflash2.distributed import backend_class
 from dflash2.distributed.base import DTYPE_BYTES, count_params
 from dflash2.distributed.base import MemoryItem as Item
@@ -249,8 +249,10 @@ def plan_run(cfg: RunConfig, *, world_size: int, target_config, device_gb: float
     """Per-role memory of `cfg` on `world_size` ranks. Disaggregated runs have two roles."""
     if world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {world_size}")
-    if cfg.backend == "local" and world_size != 1:
-        raise ValueError(f"backend=local runs in one process, not {world_size}: plan it with --world-size 1")
+    if BACKENDS[cfg.backend].one_process and world_size != 1:
+        raise ValueError(
+            f"backend={cfg.backend} runs in one process, not {world_size}: plan it with --world-size 1"
+        )
     num_capture = cfg.capture_ranks if cfg.topology == "disaggregated" else 0
     if num_capture and world_size <= num_capture:
         raise ValueError(

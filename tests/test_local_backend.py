@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 from dflash2.config import load_run_config
 from dflash2.errors import EXIT_USER_ERROR
+from dflash2.plan import load_target_config, plan_run
 from tests.run_helpers import REPO, TINY_CONFIG, TRAIN, check_ok, launch_train, metrics, run
 
 SCRIPT = REPO / "tests" / "dist_scripts" / "train_local.py"
@@ -125,3 +126,14 @@ def test_backend_local_refuses_more_processes_bf16_and_the_disaggregated_topolog
     ]:
         with pytest.raises(ValueError, match=message):
             load_run_config(TINY_CONFIG, [*common, f"output_dir={tmp_path}", "backend=local", *extra])
+    cfg = load_run_config(TINY_CONFIG, [*common, f"output_dir={tmp_path}", "backend=local"])
+    target_config = load_target_config(cfg.model.target)
+    with pytest.raises(
+        ValueError, match="backend=local runs in one process, not 8: plan it with --world-size 1"
+    ):
+        plan_run(cfg, world_size=8, target_config=target_config)
+    lines = {
+        item.name: item.note
+        for item in plan_run(cfg, world_size=1, target_config=target_config).roles[0].items
+    }
+    assert lines["draft gathered"] == "nothing: every parameter is held whole"
