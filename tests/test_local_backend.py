@@ -56,6 +56,17 @@ def local_run(common, tmp_path_factory) -> Path:
     return run_dir
 
 
+def assert_same_run(run_dir: Path, reference: Path) -> None:
+    """Every step's metrics and the final weights of `run_dir` equal the reference run's, bit for bit."""
+    ours, theirs = metrics(run_dir), metrics(reference)
+    assert [m["step"] for m in ours] == list(range(1, STEPS + 1))
+    for mine, other in zip(ours, theirs, strict=True):
+        assert {k: mine[k] for k in COMPARED} == {k: other[k] for k in COMPARED}, mine["step"]
+    weights, expected = final_weights(run_dir), final_weights(reference)
+    assert weights.keys() == expected.keys()
+    assert all(torch.equal(weights[name], expected[name]) for name in expected)
+
+
 def test_local_backend_matches_fsdp2_on_one_rank(local_run, common, tmp_path):
     check_ok(launch_train(1, [*common, f"output_dir={tmp_path}", "backend=fsdp", "train.save_every=2"]))
     local, fsdp = metrics(local_run), metrics(tmp_path)
@@ -77,12 +88,7 @@ def test_a_local_backend_checkpoint_resumes_exactly(local_run, common, tmp_path)
     train_local([*common, f"output_dir={tmp_path}", "train.save_every=2", "train.stop_at_step=2"])
     assert [m["step"] for m in metrics(tmp_path)] == [1, 2]
     train_local([*common, f"output_dir={tmp_path}", "train.save_every=2"])  # resume=auto: from step 2
-    resumed, uninterrupted = metrics(tmp_path), metrics(local_run)
-    assert [m["step"] for m in resumed] == list(range(1, STEPS + 1))
-    for ours, theirs in zip(resumed, uninterrupted, strict=True):
-        assert {k: ours[k] for k in COMPARED} == {k: theirs[k] for k in COMPARED}, ours["step"]
-    ours, theirs = final_weights(tmp_path), final_weights(local_run)
-    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+    assert_same_run(tmp_path, local_run)
 
 
 def test_a_launched_local_run_stopped_and_resumed_equals_the_python_api_run(local_run, common, tmp_path):
@@ -92,12 +98,7 @@ def test_a_launched_local_run_stopped_and_resumed_equals_the_python_api_run(loca
     check_ok(launch_train(1, [*overrides, "train.stop_at_step=2"]))
     assert [m["step"] for m in metrics(tmp_path)] == [1, 2]
     check_ok(launch_train(1, overrides))
-    launched, api = metrics(tmp_path), metrics(local_run)
-    assert [m["step"] for m in launched] == list(range(1, STEPS + 1))
-    for ours, theirs in zip(launched, api, strict=True):
-        assert {k: ours[k] for k in COMPARED} == {k: theirs[k] for k in COMPARED}, ours["step"]
-    ours, theirs = final_weights(tmp_path), final_weights(local_run)
-    assert all(torch.equal(ours[name], theirs[name]) for name in theirs)
+    assert_same_run(tmp_path, local_run)
 
 
 def test_backend_local_refuses_more_processes_bf16_and_the_disaggregated_topology(common, tmp_path):

@@ -79,6 +79,17 @@ class MemoryItem:
     where: str = "gpu"
 
 
+def fp32_draft_state(counts: ParamCounts, num_shards: int, held: str) -> list[MemoryItem]:
+    """The planner's lines for fp32 draft weights, gradients and AdamW's two moments, a rank holding
+    1 / `num_shards` of each (`held`: how the notes say it)."""
+    numel, fp32 = counts.total / num_shards, DTYPE_BYTES["fp32"]
+    return [
+        MemoryItem("draft parameters", numel * fp32, held),
+        MemoryItem("draft gradients", numel * fp32, held),
+        MemoryItem("draft optimizer state", numel * 2 * fp32, "AdamW exp_avg + exp_avg_sq, fp32"),
+    ]
+
+
 def default_device(local_rank: int = 0) -> torch.device:
     """This process's accelerator (its local rank's CUDA device), else the CPU."""
     return torch.device(f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu")

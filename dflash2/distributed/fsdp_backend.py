@@ -14,7 +14,14 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dflash2.config import OptimConfig, Precision, torch_dtype
-from dflash2.distributed.base import DTYPE_BYTES, Backend, MemoryItem, ParamCounts, sharded_block_types
+from dflash2.distributed.base import (
+    DTYPE_BYTES,
+    Backend,
+    MemoryItem,
+    ParamCounts,
+    fp32_draft_state,
+    sharded_block_types,
+)
 from dflash2.optim import build_optimizer, step_optimizer
 from dflash2.target.head import TargetHead, head_tensors
 from dflash2.target.load import load_sharded_target
@@ -58,13 +65,7 @@ class FSDPBackend(Backend):
         cls, counts: ParamCounts, precision: str, num_shards: int, offload: tuple[bool, bool]
     ) -> list[MemoryItem]:
         # fp32 sharded parameters are the master weights; bf16 exists only as gathered compute copies
-        numel, fp32 = counts.total / num_shards, DTYPE_BYTES["fp32"]
-        per = f"{counts.total / 1e9:.3f} B / {num_shards}"
-        return [
-            MemoryItem("draft parameters", numel * fp32, f"{per}, fp32 shards"),
-            MemoryItem("draft gradients", numel * fp32, f"{per}, fp32 shards"),
-            MemoryItem("draft optimizer state", numel * 2 * fp32, "AdamW exp_avg + exp_avg_sq, fp32"),
-        ]
+        return fp32_draft_state(counts, num_shards, f"{counts.total / 1e9:.3f} B / {num_shards}, fp32 shards")
 
     @classmethod
     def plan_gathered(cls, counts: ParamCounts, dtype_bytes: int, with_grads: bool) -> tuple[float, str]:

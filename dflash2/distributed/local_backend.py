@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash2.config import OptimConfig, Precision
-from dflash2.distributed.base import DTYPE_BYTES, Backend, MemoryItem, ParamCounts, RankLayout
+from dflash2.distributed.base import Backend, MemoryItem, ParamCounts, RankLayout, fp32_draft_state
 from dflash2.optim import build_optimizer, step_optimizer
 from dflash2.target.head import TargetHead
 from dflash2.target.load import load_full_target
@@ -60,13 +60,7 @@ class LocalBackend(Backend):
     def plan_draft_state(
         cls, counts: ParamCounts, precision: str, num_shards: int, offload: tuple[bool, bool]
     ) -> list[MemoryItem]:
-        numel, fp32 = counts.total, DTYPE_BYTES["fp32"]
-        whole = f"{counts.total / 1e9:.3f} B, whole"
-        return [
-            MemoryItem("draft parameters", numel * fp32, f"{whole}, fp32"),
-            MemoryItem("draft gradients", numel * fp32, f"{whole}, fp32"),
-            MemoryItem("draft optimizer state", numel * 2 * fp32, "AdamW exp_avg + exp_avg_sq, fp32"),
-        ]
+        return fp32_draft_state(counts, 1, f"{counts.total / 1e9:.3f} B, whole, fp32")
 
     @classmethod
     def plan_gathered(cls, counts: ParamCounts, dtype_bytes: int, with_grads: bool) -> tuple[float, str]:
