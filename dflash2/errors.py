@@ -8,7 +8,8 @@
         resume (75 is EX_TEMPFAIL; the SLURM scripts requeue on it)
 
 A user mistake raises ValueError (the codebase's convention); `run_main` prints its message once
-(global rank 0) without a traceback. `ReportedError` is a failure whose message already says what
+(global rank 0) without a traceback; the other ranks wait USER_ERROR_GRACE_S before they exit, so
+that a launcher that ends the job at its first worker's exit does not end rank 0 before it prints. `ReportedError` is a failure whose message already says what
 happened and where (a full disk, a timed-out collective): each rank that meets one prints it. The
 traceback of either is shown with `--debug` or DFLASH2_DEBUG=1.
 """
@@ -20,6 +21,7 @@ import atexit
 import os
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from typing import NoReturn
@@ -29,6 +31,8 @@ EXIT_USER_ERROR = 2
 EXIT_DOES_NOT_FIT = 3
 EXIT_STOPPED = 75
 DEBUG_ENV = "DFLASH2_DEBUG"
+# how long a rank other than 0 waits before it exits on a user error (rank 0 prints the message)
+USER_ERROR_GRACE_S = 5.0
 
 
 class ReportedError(Exception):
@@ -94,4 +98,8 @@ def _report(error: Exception, debug: bool, code: int, every_rank: bool) -> int:
     if every_rank or global_rank() == 0:
         sys.stdout.flush()
         print(f"error: {error}", file=sys.stderr, flush=True)
+    else:
+        # torchrun ends every worker once one has exited: rank 0, which meets the same error, could be
+        # ended before its message is out (seen: a launch refused at start-up printed nothing)
+        time.sleep(USER_ERROR_GRACE_S)
     return code

@@ -180,3 +180,24 @@ def test_exit_process_ends_like_python_does_only_without_the_teardown(tmp_path):
     assert ended.returncode == 75, ended.stderr
     assert ended.stdout == "buffered, not flushed; exit handler ran\n", ended.stdout
     assert written.read_text() == "written by a non-daemon thread"
+
+
+def test_a_user_error_met_first_by_another_rank_is_still_printed_by_rank_0(tmp_path):
+    # torchrun ends every worker as soon as one has exited: rank 1 meets the error at once, rank 0 a
+    # second later, and its message must still come out, once, with the job's exit code 2
+    script = tmp_path / "refuse.py"
+    script.write_text(
+        "import os, sys, time\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "from dflash2.errors import exit_process, run_main\n"
+        "def main(argv):\n"
+        "    if os.environ['RANK'] == '0':\n"
+        "        time.sleep(1.0)\n"
+        "    raise ValueError('option x is wrong: set x=1')\n"
+        "exit_process(run_main(main))\n"
+    )
+    launcher = [sys.executable, str(REPO / "launch" / "torchrun.py"), "--standalone", "--nproc_per_node=2"]
+    result = subprocess.run([*launcher, str(script)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == EXIT_USER_ERROR, result.stderr
+    assert result.stderr.count("error: option x is wrong: set x=1") == 1, result.stderr
+    assert result.stderr.count("error:") == 1 and "Traceback" not in result.stderr, result.stderr

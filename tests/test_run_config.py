@@ -37,7 +37,7 @@ def test_overrides_are_typed_and_validated():
     "override,message",
     [
         ("train.max_stpes=3", "train.max_stpes: Extra inputs are not permitted"),
-        ("backend=horovod", "backend: Input should be 'deepspeed' or 'fsdp'"),
+        ("backend=horovod", "backend: Input should be 'deepspeed', 'fsdp' or 'local'"),
         ("train.max_steps=0", "train.max_steps: Input should be greater than or equal to 1"),
         ("objective.selector_mode=soft", "objective.selector_mode"),
         ("topology=disaggregated", "capture_ranks >= 1"),
