@@ -9,9 +9,10 @@
 
 A user mistake raises ValueError (the codebase's convention); `run_main` prints its message once
 (global rank 0) without a traceback; the other ranks wait USER_ERROR_GRACE_S before they exit, so
-that a launcher that ends the job at its first worker's exit does not end rank 0 before it prints. `ReportedError` is a failure whose message already says what
-happened and where (a full disk, a timed-out collective): each rank that meets one prints it. The
-traceback of either is shown with `--debug` or DFLASH2_DEBUG=1.
+that a launcher that ends the job at its first worker's exit does not end rank 0 before it prints.
+`ReportedError` is a failure whose message already says what happened and where (a full disk, a
+timed-out collective): each rank that meets one prints it. The traceback of either is shown with
+`--debug` or DFLASH2_DEBUG=1.
 """
 
 from __future__ import annotations
