@@ -218,26 +218,28 @@ class RunConfig(_Section):
             raise ValueError(
                 f"capture_ranks={self.capture_ranks} is only meaningful with topology=disaggregated"
             )
-        entry, others = BACKENDS[self.backend], " or ".join(f"backend={name}" for name in _sharded_backends())
+        entry = BACKENDS[self.backend]
         if entry.one_process and self.topology == "disaggregated":
             raise ValueError(
                 f"backend={self.backend} runs in one process; topology=disaggregated needs capture ranks "
-                f"and trainer ranks: use {others}"
+                f"and trainer ranks: use {sharded_backends()}"
             )
         if self.precision not in entry.precisions:
             raise ValueError(
                 f"backend={self.backend} trains in {' or '.join(entry.precisions)} only, got "
                 f"precision={self.precision}: set precision={entry.precisions[0]} (model.target_dtype may "
-                f"still name another dtype for the target), or train {self.precision} with {others}"
+                f"still name another dtype for the target), or train {self.precision} with {sharded_backends()}"
             )
         return self
 
 
-def _sharded_backends() -> list[str]:
-    """The backends a run of any number of processes and either precision may name."""
-    return [
+def sharded_backends() -> str:
+    """The backends a run of any number of processes and either precision may name, as a refusal
+    names them: `backend=deepspeed or backend=fsdp`."""
+    names = [
         name for name, entry in BACKENDS.items() if not entry.one_process and entry.precisions == PRECISIONS
     ]
+    return " or ".join(f"backend={name}" for name in names)
 
 
 _FLOAT = re.compile(r"^[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+$")

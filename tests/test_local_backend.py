@@ -115,9 +115,7 @@ def test_backend_local_refuses_more_processes_bf16_and_the_disaggregated_topolog
             "backend=local",
         ]
     )
-    refusal = (
-        "error: backend=local trains in one process, but this launch started 2 (WORLD_SIZE): use backend=fsdp"
-    )
+    refusal = "error: backend=local trains in one process, but this launch started 2 (WORLD_SIZE): use backend=deepspeed or backend=fsdp, or launch one process"
     assert result.returncode == EXIT_USER_ERROR and refusal in result.stderr, result.stderr[-3000:]
     assert result.stderr.count("error:") == 1 and "Traceback" not in result.stderr  # one rank says it
     assert not (tmp_path / "checkpoints").exists()

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dflash2.config import OptimConfig, Precision
+from dflash2.config import OptimConfig, Precision, sharded_backends
 from dflash2.distributed.base import Backend, MemoryItem, ParamCounts, RankLayout, fp32_draft_state
 from dflash2.optim import build_optimizer, step_optimizer
 from dflash2.target.head import TargetHead
@@ -51,8 +51,7 @@ class LocalBackend(Backend):
         if world_size != 1:
             raise ValueError(
                 f"backend=local trains in one process, but this launch started {world_size} "
-                "(WORLD_SIZE): use backend=fsdp or backend=deepspeed, or launch one process "
-                "(python launch/train.py)"
+                f"(WORLD_SIZE): use {sharded_backends()}, or launch one process (python launch/train.py)"
             )
         super().start_process_group(comm, timeout)
 
