@@ -7,9 +7,14 @@
     75  stopped on SIGTERM, SIGINT or SIGUSR1 after writing a checkpoint: run the same command again to
         resume (75 is EX_TEMPFAIL; the SLURM scripts requeue on it)
 
-A user mistake raises ValueError (the codebase's convention); `run_main` prints its message once
-(global rank 0) without a traceback; the other ranks wait USER_ERROR_GRACE_S before they exit, so
-that a launcher that ends the job at its first worker's exit does not end rank 0 before it prints.
+A user mistake raises ValueError (the codebase's convention); `run_main` prints its message once,
+without a traceback: rank 0 prints it; another rank waits up to USER_ERROR_GRACE_S for rank 0 to
+say (in the job's rendezvous store) that it printed one, so that a launcher that ends the job at
+its first worker's exit does not end rank 0 before it prints, and prints its own when rank 0 did
+not (a path missing on one node only: rank 0 is then waiting in a collective). The first such rank
+prints it, the others stay quiet, and a rank whose collective then breaks exits with code 2 too,
+without a traceback. Before the job's process group exists there is no store: every
+rank meets the same start-up error, rank 0 prints it, and the others wait and stay quiet.
 `ReportedError` is a failure whose message already says what happened and where (a full disk, a
 timed-out collective): each rank that meets one prints it. The traceback of either is shown with
 `--debug` or DFLASH2_DEBUG=1.
@@ -32,8 +37,11 @@ EXIT_USER_ERROR = 2
 EXIT_DOES_NOT_FIT = 3
 EXIT_STOPPED = 75
 DEBUG_ENV = "DFLASH2_DEBUG"
-# how long a rank other than 0 waits before it exits on a user error (rank 0 prints the message)
+# how long a rank other than 0 waits for rank 0 to print a user error before it prints its own
 USER_ERROR_GRACE_S = 5.0
+# keys in the job's rendezvous store: rank 0 printed a user error; ranks that offered to print one
+USER_ERROR_PRINTED_KEY = "dflash2/user_error/printed_by_rank_0"
+USER_ERROR_CLAIMS_KEY = "dflash2/user_error/claims"
 
 
 class ReportedError(Exception):
@@ -60,8 +68,14 @@ def run_main(main: Callable[[Sequence[str] | None], object], argv: Sequence[str]
         result = main(argv)
     except ValueError as error:
         return _report(error, debug, EXIT_USER_ERROR, every_rank=False)
-    except ReportedError as error:
-        return _report(error, debug, EXIT_FAILED, every_rank=True)
+    except Exception as error:
+        if _another_rank_reported_a_user_error():  # a collective that broke when that rank exited
+            if debug:
+                traceback.print_exc()
+            return EXIT_USER_ERROR  # its message says why
+        if isinstance(error, ReportedError):
+            return _report(error, debug, EXIT_FAILED, every_rank=True)
+        raise
     return result if isinstance(result, int) else 0
 
 
@@ -96,11 +110,58 @@ def job_exit_code(worker_codes: list[int]) -> int:
 def _report(error: Exception, debug: bool, code: int, every_rank: bool) -> int:
     if debug:
         traceback.print_exc()
-    if every_rank or global_rank() == 0:
+    rank = global_rank()
+    if every_rank or rank == 0:
         sys.stdout.flush()
         print(f"error: {error}", file=sys.stderr, flush=True)
-    else:
-        # torchrun ends every worker once one has exited: rank 0, which meets the same error, could be
-        # ended before its message is out (seen: a launch refused at start-up printed nothing)
-        time.sleep(USER_ERROR_GRACE_S)
+        if not every_rank:
+            _tell_other_ranks()
+    elif _prints_in_place_of_rank_0():
+        sys.stdout.flush()
+        print(f"error (rank {rank}): {error}", file=sys.stderr, flush=True)
     return code
+
+
+def _job_store():
+    """The job's rendezvous store once its process group exists, else None (torch not imported here
+    unless the tool already did)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return dist.distributed_c10d._get_default_store()  # no public getter (dflash2.run does the same)
+
+
+def _tell_other_ranks() -> None:
+    store = _job_store()
+    if store is not None:
+        try:
+            store.set(USER_ERROR_PRINTED_KEY, "1")
+        except Exception:  # a store already gone: the other ranks then print their own
+            pass
+
+
+def _another_rank_reported_a_user_error() -> bool:
+    store = _job_store()
+    try:
+        return store is not None and store.check([USER_ERROR_CLAIMS_KEY])
+    except Exception:
+        return False
+
+
+def _prints_in_place_of_rank_0() -> bool:
+    """On a rank other than 0 that met a user error: wait up to USER_ERROR_GRACE_S for rank 0 to print
+    one (torchrun ends every worker once one has exited: rank 0 could be ended before its message is
+    out). True when it did not and this rank is the first to offer to print in its place."""
+    store = _job_store()
+    deadline = time.monotonic() + USER_ERROR_GRACE_S
+    if store is None:  # no process group yet: a start-up error, which rank 0 meets too
+        time.sleep(USER_ERROR_GRACE_S)
+        return False
+    try:
+        while time.monotonic() < deadline:
+            if store.check([USER_ERROR_PRINTED_KEY]):
+                return False
+            time.sleep(0.1)
+        return store.add(USER_ERROR_CLAIMS_KEY, 1) == 1
+    except Exception:  # the store is gone (its host exited): say it rather than risk saying nothing
+        return True

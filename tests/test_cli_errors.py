@@ -201,3 +201,38 @@ def test_a_user_error_met_first_by_another_rank_is_still_printed_by_rank_0(tmp_p
     assert result.returncode == EXIT_USER_ERROR, result.stderr
     assert result.stderr.count("error: option x is wrong: set x=1") == 1, result.stderr
     assert result.stderr.count("error:") == 1 and "Traceback" not in result.stderr, result.stderr
+
+
+GROUP_SCRIPT = """
+import os, sys, time
+sys.path.insert(0, {repo!r})
+import torch.distributed as dist
+from dflash2.errors import exit_process, run_main
+from dflash2.faults import collective_section
+def main(argv):
+    dist.init_process_group("gloo")
+    if os.environ["RANK"] == "0":
+        if {rank_0_errs!r}:
+            time.sleep(1.0)
+            raise ValueError("features_dir /data/f: no manifest.json: capture the features first")
+        with collective_section("the step's all-reduce"):
+            dist.barrier()  # waits for rank 1, which exits: a ReportedError, quiet here
+    raise ValueError("features_dir /data/f: no manifest.json: capture the features first")
+exit_process(run_main(main))
+"""
+
+
+@pytest.mark.parametrize("rank_0_errs", [True, False], ids=["every-rank", "rank-1-alone"])
+def test_a_user_error_after_the_group_starts_is_printed_once(tmp_path, rank_0_errs):
+    # every rank meets it (rank 0 a second late): rank 0 prints it, rank 1 sees that in the store and
+    # stays quiet; rank 1 alone (a path missing on one node; rank 0 waits in a collective): rank 1
+    # prints it after USER_ERROR_GRACE_S, saying which rank it is
+    script = tmp_path / "refuse.py"
+    script.write_text(GROUP_SCRIPT.format(repo=str(REPO), rank_0_errs=rank_0_errs))
+    launcher = [sys.executable, str(REPO / "launch" / "torchrun.py"), "--standalone", "--nproc_per_node=2"]
+    result = subprocess.run([*launcher, str(script)], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.returncode == EXIT_USER_ERROR, result.stderr
+    message = "features_dir /data/f: no manifest.json: capture the features first"
+    printed = ("error: " if rank_0_errs else "error (rank 1): ") + message
+    assert result.stderr.count(printed) == 1, result.stderr
+    assert result.stderr.count("error") == 1 and "Traceback" not in result.stderr, result.stderr
