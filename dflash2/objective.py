@@ -713,7 +713,9 @@ def acceptance_length_sum(rows: torch.Tensor, correct: torch.Tensor, valid: torc
     [b, N]. The run stops at the first wrong slot and at the first slot without supervision (past the
     sequence end or outside the reply): serving cannot commit tokens past the end of the reply either.
     Under teacher forcing a slot's predecessor is the data token; along a leading run of correct slots
-    that is also what the serving walk chose, so for the selector this run is the walk's own.
+    that is also what the serving walk chose, so for the selector this run is the walk's own. (With
+    `labels: target` that holds where the data token is the target's greedy one, as on replies the
+    target regenerated; elsewhere the run follows the data's tokens rather than the walk's.)
     `correct` may also be a float chance of acceptance per slot (1 - TV under lossless sampling): the
     sum is then 1 + sum_k prod_{j<=k} chance_j per block, the expected committed tokens.
     """
