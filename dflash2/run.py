@@ -31,7 +31,6 @@ from dflash2.capture.offline import capture_to_dir, feature_identity
 from dflash2.capture.transfer import FeatureReceiver, FeatureSender, capture_schedule
 from dflash2.config import RunConfig, save_run_config
 from dflash2.data.loader import step_batches
-from dflash2.data.prepare import build_dataset
 from dflash2.data.regenerate import LocalTargetGenerator, regenerate_file
 from dflash2.distributed import Backend, backend_class, init_distributed, shutdown_distributed
 from dflash2.faults import collective_section, collective_timeout, stop_request
@@ -90,7 +89,7 @@ def run_offline_capture(cfg: RunConfig, out_dir: str | Path, *, batch_size: int,
     plan = resolve_run(cfg)
     backend = run_backend(cfg)
     warn_if_slow_bf16(backend.device, cfg.target_torch_dtype, is_main=backend.is_main)
-    dataset = build_dataset(cfg.data, plan.tokenizer, backend.is_main)
+    dataset = plan.dataset(backend.is_main)
     target = backend.load_target(cfg.model.target, cfg.target_torch_dtype)
     out = capture_to_dir(
         cfg,
@@ -133,7 +132,7 @@ def regenerate_and_capture(
         input_path, cfg.data.train, generator, batch_size=batch_size, on_error=on_error, feature_sink=sink
     )
     identity = replace(plan.identity, dataset=data_identity(cfg.data.train))  # the file as it now is
-    dataset = build_dataset(cfg.data, plan.tokenizer, is_main=True)
+    dataset = plan.dataset(is_main=True)
     finished = finish_fused_capture(
         features_out,
         dataset,
@@ -202,7 +201,7 @@ def run_capture_rank(
     cfg, start = plan.config, plan.start
     num_capture, num_trainers, train = cfg.capture_ranks, plan.data_parallel_size, cfg.train
     backend = run_backend(cfg, capture_group, scope)
-    dataset = build_dataset(cfg.data, plan.tokenizer, is_main=False)
+    dataset = plan.dataset(is_main=False)
     target = backend.load_target(cfg.model.target, cfg.target_torch_dtype)
     local, total = backend.parameter_numel(target)
     print(f"[dflash2] capture rank {backend.rank}: holds {local}/{total} target parameters", flush=True)

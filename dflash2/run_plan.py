@@ -13,11 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import datasets
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from dflash2.checkpoint import TrainState, read_train_state, resume_point, run_contract
 from dflash2.config import RunConfig
 from dflash2.data.loader import pad_token_id_of
+from dflash2.data.prepare import build_dataset, check_token_ids_in_vocab
 from dflash2.identity import RunIdentity
 from dflash2.models.config import check_draft_config, load_config_dict, to_qwen3_config
 from dflash2.models.spec import DraftSpec
@@ -54,6 +56,13 @@ class RunPlan:
     @property
     def target_hidden_size(self) -> int:
         return self.target_config.get_text_config().hidden_size
+
+    def dataset(self, is_main: bool) -> datasets.Dataset:
+        """The run's dataset (data.train, prepared on the fly or loaded), its token ids checked against
+        the target's vocabulary. `is_main`: the rank that reports what was kept and dropped."""
+        dataset = build_dataset(self.config.data, self.tokenizer, is_main)
+        check_token_ids_in_vocab(dataset, self.target_config.get_text_config().vocab_size)
+        return dataset
 
 
 def global_batch_size(cfg: RunConfig, data_parallel_size: int) -> int:

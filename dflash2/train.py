@@ -22,7 +22,6 @@ from dflash2.capture.offline import OfflineFeatures, feature_identity
 from dflash2.checkpoint import TrainState, check_resume, load_checkpoint, save_checkpoint
 from dflash2.config import RunConfig, torch_dtype
 from dflash2.data.loader import StepBatch, anchor_generators, collate, step_batches
-from dflash2.data.prepare import build_dataset
 from dflash2.distributed import Backend
 from dflash2.export import export_draft
 from dflash2.faults import collective_section, stop_request, write_stop_marker
@@ -128,7 +127,9 @@ def build_setup(plan: RunPlan, backend: Backend, features: FeatureSource | None 
         if backend.is_main:
             print(f"[dflash2] {summary}", flush=True)
     target, head = build_target(plan, backend, load_full=features is None)
-    dataset = build_dataset(cfg.data, plan.tokenizer, backend.is_main)
+    dataset = plan.dataset(backend.is_main)
+    if isinstance(features, OfflineFeatures):
+        features.check_samples(dataset)
     if cfg.objective.loss_vocab_size is not None:
         restrict_loss_vocab(head, dataset, plan.objective, backend.is_main)
     model = backend.setup_draft(draft, cfg.train, cfg.precision)

@@ -206,7 +206,11 @@ def test_features_without_the_last_hidden_state_train_ce_only_and_refuse_kl(
 
 @pytest.mark.parametrize(
     ("override", "field"),
-    [("data.max_length=80", "max_length"), ("data.chat_template_kwargs={x: 1}", "chat_template_kwargs")],
+    [
+        ("data.max_length=80", "max_length"),
+        ("data.chat_template_kwargs={x: 1}", "chat_template_kwargs"),
+        ("data.duplicates=drop", "data.duplicates"),
+    ],
 )
 def test_a_manifest_of_another_setup_is_refused_with_the_fix(features_dir, overrides, override, field):
     with pytest.raises(
@@ -225,6 +229,27 @@ def test_features_of_another_target_dtype_are_refused_with_the_fix(features_dir,
         OfflineFeatures(features_dir, expected_identity(overrides, override))
     # the fix it names: a bf16 run whose target runs in fp32 reads these features
     OfflineFeatures(features_dir, expected_identity(overrides, "precision=bf16", "model.target_dtype=fp32"))
+
+
+def test_features_of_other_samples_are_refused_with_the_fix(features_dir, overrides, tiny_tokenizer):
+    # a manifest written before it recorded data.duplicates, read by a run whose data keeps other
+    # conversations: every index after the first difference would read another sample's features
+    from datasets import Dataset
+
+    from dflash2.data.prepare import prepare_dataset
+
+    data = next(o.split("=", 1)[1] for o in overrides if o.startswith("data.train="))
+    dataset, _ = prepare_dataset(data, tiny_tokenizer, 96)
+    store = OfflineFeatures(features_dir, expected_identity(overrides))
+    store.check_samples(dataset)  # the samples captured: accepted
+    ids = dataset["input_ids"]
+    fewer = Dataset.from_dict({"input_ids": ids[:5] + ids[6:]})
+    with pytest.raises(
+        ValueError, match=r"does not hold this run's samples: sample 5 has .*data_prep/capture.py"
+    ):
+        store.check_samples(fewer)
+    with pytest.raises(ValueError, match=r"31 samples were captured, this run's data has 30"):
+        store.check_samples(Dataset.from_dict({"input_ids": ids[:30]}))
 
 
 def test_changed_layer_ids_or_missing_manifest_are_refused(features_dir, overrides, tmp_path):

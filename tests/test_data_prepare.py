@@ -189,6 +189,30 @@ def test_prepare_cli_writes_loadable_dataset_and_summary(tiny_default, tmp_path,
         )
 
 
+def test_a_run_refuses_a_prepared_directory_rendered_with_other_chat_template_kwargs(
+    tiny_default, tiny_tokenizer, tmp_path
+):
+    # the export records the run's data.chat_template_kwargs, which evaluation and serving render with
+    from dflash2.config import DataConfig
+    from dflash2.data.prepare import build_dataset, save_prepared
+
+    kwargs = {"enable_thinking": False}
+    dataset, summary = prepare_dataset(
+        _write_jsonl(tmp_path / "in.jsonl", [VALID]), tiny_tokenizer, 128, chat_template_kwargs=kwargs
+    )
+    out = save_prepared(dataset, summary, tmp_path / "prepared")
+    with pytest.raises(
+        ValueError,
+        match=r"prepared with chat_template_kwargs \{'enable_thinking': False\}, but this run's "
+        r"data.chat_template_kwargs is \{\}.*set data.chat_template_kwargs to",
+    ):
+        build_dataset(DataConfig(train=str(out)), tiny_tokenizer, is_main=True)
+    loaded = build_dataset(
+        DataConfig(train=str(out), chat_template_kwargs=kwargs), tiny_tokenizer, is_main=True
+    )
+    assert loaded["input_ids"] == dataset["input_ids"]
+
+
 def test_load_prepared_rejects_other_directories(tmp_path):
     with pytest.raises(ValueError, match="not a prepared dataset"):
         load_prepared(tmp_path)
@@ -409,3 +433,52 @@ def test_token_ids_on_a_user_turn_are_an_error(tiny_tokenizer, tmp_path):
         ValueError, match="bad.jsonl:1: turn 1 \\(user\\) has 'token_ids'; only replies carry them"
     ):
         prepare_dataset(path, tiny_tokenizer, max_length=256, on_error="fail")
+
+
+def test_token_ids_that_do_not_decode_to_their_reply_are_a_per_line_error(tiny_tokenizer, tmp_path):
+    # a reply edited after its ids were generated would train on the old ids
+    other = tiny_tokenizer("Something else entirely.", add_special_tokens=False)["input_ids"]
+    stale = {"id": "stale", "conversations": [USER, {**REPLY, "token_ids": other}]}
+    path = _write_jsonl(tmp_path / "stale.jsonl", [VALID, stale])
+    with pytest.raises(
+        ValueError, match=r"stale.jsonl:2: reply 1: its 'token_ids' do not decode to its content"
+    ):
+        prepare_dataset(path, tiny_tokenizer, max_length=256, on_error="fail")
+    dataset, summary = prepare_dataset(path, tiny_tokenizer, max_length=256, on_error="skip", quiet=True)
+    assert dataset["id"] == ["ok"] and summary["dropped_by_reason"] == {"token_ids_stale": 1}
+
+
+def test_a_conversation_the_chat_template_refuses_is_a_per_line_error(tiny_tokenizer, tmp_path):
+    import copy
+
+    tokenizer = copy.deepcopy(tiny_tokenizer)  # a template that raises, like those refusing a system turn
+    tokenizer.chat_template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('System role not supported') }}"
+        "{% endif %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    system = {"id": "system", "conversations": [{"role": "system", "content": "Be brief."}, USER, REPLY]}
+    path = _write_jsonl(tmp_path / "system.jsonl", [VALID, system])
+    with pytest.raises(
+        ValueError, match=r"system.jsonl:2: the chat template refuses this conversation: System role"
+    ):
+        prepare_dataset(path, tokenizer, max_length=256, on_error="fail")
+    dataset, summary = prepare_dataset(path, tokenizer, max_length=256, on_error="skip", quiet=True)
+    assert dataset["id"] == ["ok"] and summary["dropped_by_reason"] == {"template_error": 1}
+
+
+def test_a_token_id_outside_the_targets_vocabulary_is_refused_naming_the_sample():
+    from datasets import Dataset
+
+    from dflash2.data.prepare import check_token_ids_in_vocab
+
+    dataset = Dataset.from_dict({"id": ["a", "b", "c"], "input_ids": [[1, 2, 3], [4, 999, 5], [998]]})
+    check_token_ids_in_vocab(dataset, 1000)  # every id inside: accepted
+    with pytest.raises(
+        ValueError, match=r"sample 'b' holds token id 999, outside the target's vocabulary of 999"
+    ):
+        check_token_ids_in_vocab(dataset, 999)
+    with pytest.raises(
+        ValueError, match=r"sample 'b' holds token id 999, outside the target's vocabulary of 998"
+    ):
+        check_token_ids_in_vocab(dataset, 998)  # the first sample past it is named

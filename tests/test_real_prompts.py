@@ -82,3 +82,20 @@ def test_the_same_seed_writes_the_same_files_and_another_seed_others(built, tmp_
 def test_more_prompts_than_passages_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="asked for 100000 train prompts, but only"):
         build_real_prompts(tmp_path, num_train=100000, num_heldout=1)
+
+
+def test_a_docstring_copied_into_a_heldout_module_is_left_out_of_training():
+    # the same text in two module files (bz2's and lzma's share docstrings): holding one module out
+    # must keep the text out of training, whichever file training would have read it from
+    from dflash2.data.real_prompts import Passage, split_modules
+
+    passages = [Passage(f"m{i}.py", f"f{j}", f"text {i}.{j}") for i in range(6) for j in range(3)]
+    passages += [Passage(f"m{i}.py", "shared", "the shared docstring") for i in range(6)]
+    for seed in range(5):
+        train, heldout = split_modules(passages, num_heldout=4, seed=seed)
+        held_sources = {p.source for p in heldout}
+        assert "the shared docstring" in {p.text for p in heldout}
+        assert "the shared docstring" not in {p.text for p in train}
+        assert {p.text for p in train} == {
+            p.text for p in passages if p.source not in held_sources and p.text != "the shared docstring"
+        }

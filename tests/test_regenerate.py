@@ -210,6 +210,20 @@ def test_batches_hold_prompts_of_similar_length(tmp_path):
     )
 
 
+class _SeparatorGenerator(_FakeGenerator):
+    def generate(self, histories):  # replies holding the characters str.splitlines also splits on
+        return [f"a\u2028b\u2029c\x85d {history[-1]['content']}" for history in histories]
+
+
+def test_a_rerun_resumes_an_output_whose_replies_hold_unicode_line_separators(tmp_path):
+    rows = [{"id": f"s{i}", "conversations": [{"role": "user", "content": f"q{i}"}]} for i in range(4)]
+    source, output = _write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
+    assert regenerate_file(source, output, _SeparatorGenerator(), batch_size=2)["num_written"] == 4
+    assert "\u2028" in output.read_text()  # written as is (json.dumps with ensure_ascii=False)
+    counts = regenerate_file(source, output, _SeparatorGenerator(), batch_size=2)
+    assert counts["num_done_before"] == 4 and counts["num_written"] == 0
+
+
 def test_corrupt_complete_line_in_output_is_an_error(tmp_path):
     source = _write_jsonl(
         tmp_path / "in.jsonl", [{"id": "a", "messages": [{"role": "user", "content": "q"}, _assistant("r")]}]

@@ -53,6 +53,7 @@ def feature_identity(cfg: RunConfig, layer_ids: list[int], identity: RunIdentity
         "max_length": cfg.data.max_length,
         "target_layer_ids": [int(i) for i in layer_ids],
         "dtype": DTYPE_NAMES[cfg.target_torch_dtype],  # the target ran (and the features are stored) in it
+        "duplicates": cfg.data.duplicates,  # which conversations are samples, so which index is which
     }
 
 
@@ -252,6 +253,13 @@ class OfflineFeatures:
                 raise ValueError(
                     _mismatch_message(self.features_dir, field, self.manifest.get(field), expected[field])
                 )
+        saved_duplicates = self.manifest.get("duplicates")  # absent from manifests written before it
+        if saved_duplicates is not None and saved_duplicates != expected["duplicates"]:
+            raise ValueError(
+                _mismatch_message(
+                    self.features_dir, "data.duplicates", saved_duplicates, expected["duplicates"]
+                )
+            )
         self._check_dtype(expected["dtype"])
         self.num_samples = int(self.manifest["num_samples"])
         self.feature_dim = int(self.manifest["feature_dim"])
@@ -265,6 +273,29 @@ class OfflineFeatures:
                 "objective.tv_weight=0 and objective.labels=data)"
             )
         self._files: dict[int, object] = {}  # shard index -> open safetensors handle (memory-mapped)
+
+    def check_samples(self, dataset) -> None:
+        """The features are those of this run's samples, index by index: as many samples, each as long
+        as its captured features (a data setting that keeps other conversations, such as
+        data.duplicates or data.on_error, shifts every index after the first difference)."""
+        import pyarrow.compute as pc
+
+        lengths = pc.list_value_length(dataset.with_format("arrow")["input_ids"]).to_pylist()
+        captured = [int(n) for n in self.manifest["sample_length"]]
+        differs = next((i for i, (a, b) in enumerate(zip(lengths, captured)) if a != b), None)
+        if len(lengths) == len(captured) and differs is None:
+            return
+        what = (
+            f"{len(captured)} samples were captured, this run's data has {len(lengths)}"
+            if differs is None
+            else f"sample {differs} has {lengths[differs]} tokens in this run's data but {captured[differs]} "
+            "in the features"
+        )
+        raise ValueError(
+            f"data.features_dir={str(self.features_dir)!r} does not hold this run's samples: {what} (the data "
+            "settings keep other conversations than at capture: data.duplicates, data.on_error, "
+            f"data.max_length); recapture: data_prep/capture.py --config <this run's config> --out {self.features_dir}"
+        )
 
     def _check_dtype(self, expected: str) -> None:
         """Features of a target run in another dtype are other numbers than online capture would give

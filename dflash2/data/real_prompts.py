@@ -139,7 +139,9 @@ def to_prompts(passages: list[Passage], count: int, seed: int, prefix: str) -> l
 
 def split_modules(passages: list[Passage], num_heldout: int, seed: int) -> tuple[list, list]:
     """(training passages, held-out passages): whole module files drawn with `seed` until they hold
-    at least `num_heldout` passages are held out, so no held-out document occurs in training."""
+    at least `num_heldout` passages are held out, so no held-out document occurs in training; a
+    training passage whose text a held-out module also holds (a docstring copied between modules,
+    such as bz2's and lzma's) is left out of training too."""
     per_source = Counter(p.source for p in passages)
     sources = sorted(per_source)
     random.Random(seed).shuffle(sources)
@@ -149,7 +151,9 @@ def split_modules(passages: list[Passage], num_heldout: int, seed: int) -> tuple
             break
         held.add(source)
         count += per_source[source]
-    return [p for p in passages if p.source not in held], [p for p in passages if p.source in held]
+    heldout = [p for p in passages if p.source in held]
+    heldout_texts = {p.text for p in heldout}
+    return [p for p in passages if p.source not in held and p.text not in heldout_texts], heldout
 
 
 def build_real_prompts(out_dir: str | Path, num_train: int, num_heldout: int, seed: int = 0) -> dict:

@@ -342,7 +342,9 @@ def finished_ids(output_path: str | Path) -> set[str]:
         with open(path, "r+b") as f:
             f.truncate(len(complete))
     ids = set()
-    for line_number, line in enumerate(complete.decode("utf-8").splitlines(), start=1):
+    # split on b"\n" only: str.splitlines also splits on U+2028, U+2029 and U+0085, which a reply may
+    # hold and json.dumps(ensure_ascii=False) writes as they are
+    for line_number, line in enumerate(complete.split(b"\n")[:-1], start=1):
         try:
             ids.add(str(json.loads(line)["id"]))
         except (json.JSONDecodeError, KeyError, TypeError):

@@ -26,9 +26,20 @@ def render_text(
     chat_template_kwargs: dict[str, Any] | None = None,
     add_generation_prompt: bool = False,
 ) -> str:
-    return tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=add_generation_prompt, **(chat_template_kwargs or {})
-    )
+    """The conversation as the chat template renders it; a conversation the template refuses (its
+    `raise_exception`: roles that do not alternate, a system turn it does not support) is a
+    SampleError, so that one such line is reported and skipped like any malformed line."""
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **(chat_template_kwargs or {}),
+        )
+    except TemplateError as error:
+        raise SampleError("template_error", f"the chat template refuses this conversation: {error}") from None
 
 
 def encode_prompt(
@@ -99,6 +110,16 @@ def render_with_token_ids(
     text = render_text(messages, tokenizer, chat_template_kwargs)
     replies = [message for message in messages if message["role"] == "assistant"]
     input_ids, loss_mask, cursor = [], [], 0
+    for number, reply in enumerate(replies, start=1):
+        if (
+            "token_ids" in reply
+            and tokenizer.decode(reply["token_ids"], skip_special_tokens=False) != reply["content"]
+        ):
+            raise SampleError(
+                "token_ids_stale",
+                f"reply {number}: its 'token_ids' do not decode to its content (the text was changed after "
+                "the ids were generated, or the ids belong to another reply); regenerate it or remove 'token_ids'",
+            )
     for reply, (start, content_end, end) in zip(replies, _assistant_spans(text, messages, end_of_turn)):
         before = _encode(tokenizer, text[cursor:start])
         reply_ids = reply.get("token_ids") or _encode(tokenizer, text[start:content_end])
