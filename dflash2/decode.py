@@ -236,7 +236,8 @@ def speculative_generate(
     `timer`: times every verify step (module docstring); `clock`: what `wall_s` is read from."""
     prompt = _prompt_ids(input_ids, max_new_tokens, temperature)
     start = clock()
-    state = TargetState(target, draft.target_layer_ids)
+    # room for every new token and a last verify block past them, as target_generate reserves its own
+    state = TargetState(target, draft.target_layer_ids, room=max_new_tokens + draft.block_size)
     logits, features = state.prefill(prompt)
     ctx = _Context(
         state=state,

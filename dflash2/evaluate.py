@@ -28,7 +28,14 @@ from torch import nn
 from dflash2.config import PRECISIONS, require_path, torch_dtype
 from dflash2.data.jsonl import SampleError, iter_lines, parse_sample, prompt_turns
 from dflash2.data.render import encode_prompt, stop_token_ids
-from dflash2.decode import Clock, GenerationResult, TargetResult, speculative_generate, timed_target_generate
+from dflash2.decode import (
+    Clock,
+    GenerationResult,
+    TargetResult,
+    speculative_generate,
+    target_generate,
+    timed_target_generate,
+)
 from dflash2.errors import add_debug_flag, exit_process, run_main
 from dflash2.export import TRAINING_RUN_NAME, read_training_run
 from dflash2.hardware import warn_if_slow_bf16
@@ -58,6 +65,7 @@ def read_prompts(data_jsonl: str | Path, num_prompts: int) -> list[list[dict[str
 # ------------------------------------------------------------------ a draft-free reference
 
 PROMPT_LOOKUP_NGRAM = (4, 1)  # longest, shortest suffix the lookup matches
+WARM_UP_TOKENS = 16  # new tokens of the untimed decodes before the timed ones (warm_up)
 
 
 def prompt_lookup_proposal(
@@ -287,6 +295,9 @@ def compare_drafts(
     results: list[list[GenerationResult]] = [[] for _ in drafts]
     target_results: list[TargetResult] = []
     decoders = ([None] if compare_target else []) + list(range(len(drafts)))  # None: the target alone
+    warm_up(
+        drafts, target, head, prompts[0], compare_target, min(max_new_tokens, WARM_UP_TOKENS), temperature
+    )
     for index, ids in enumerate(prompts):
         turn = index % len(decoders)
         for which in decoders[turn:] + decoders[:turn]:
@@ -312,6 +323,33 @@ def compare_drafts(
             summary.update(prompt_lookup_summary(prompts, target_results, draft.block_size))
         evaluated.append((summary, draft_results))
     return evaluated
+
+
+def warm_up(
+    drafts: Sequence[DFlashDraftModel],
+    target: nn.Module,
+    head: TargetHead,
+    ids: list[int],
+    compare_target: bool,
+    max_new_tokens: int,
+    temperature: float,
+) -> None:
+    """One short untimed decode by the target alone and by each draft, so that one-time costs (a GPU's
+    library handles and kernel loading, the allocator's first growth) fall on no timed decode; their
+    own generator, so the timed decodes sample as they would without it."""
+    generator = torch.Generator(device=next(target.parameters()).device).manual_seed(0)
+    if compare_target:
+        target_generate(target, ids, max_new_tokens=max_new_tokens)
+    for draft in drafts:
+        speculative_generate(
+            draft,
+            target,
+            head,
+            ids,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            generator=generator,
+        )
 
 
 def greedy_mismatch_note(num_differing: int, num_prompts: int) -> str:

@@ -75,11 +75,12 @@ class TargetState:
     """The target and its cache over the committed positions. Every forward but a rollback's also
     returns the features of decoder layers `layer_ids` (their outputs, read by hooks)."""
 
-    def __init__(self, target: nn.Module, layer_ids: Sequence[int]) -> None:
+    def __init__(self, target: nn.Module, layer_ids: Sequence[int], room: int = 0) -> None:
+        """`room`: the positions to reserve in the attention KV past the prompt (dflash2.target.cache)."""
         self.target = target
         self.layer_ids = list(layer_ids)
         self.device = next(target.parameters()).device
-        self.cache = new_cache(target)
+        self.cache = new_cache(target, room=room)
         self.cache.activate_past_recording()
         self.recurrent = False  # known after the prefill
         self.num_rollback_forwards = 0
