@@ -482,3 +482,37 @@ def test_a_token_id_outside_the_targets_vocabulary_is_refused_naming_the_sample(
         ValueError, match=r"sample 'b' holds token id 999, outside the target's vocabulary of 998"
     ):
         check_token_ids_in_vocab(dataset, 998)  # the first sample past it is named
+
+
+def test_a_reply_cut_at_the_length_limit_supervises_no_end_of_turn_token(tiny_tokenizer, tmp_path):
+    # the target did not end the reply there: the template's end-of-turn token is not its label
+    ids = _spelled_out(tiny_tokenizer, REPLY["content"])
+    rows = [
+        {"id": "cut", "conversations": [USER, {**REPLY, "finish_reason": "length"}]},
+        {"id": "cut-ids", "conversations": [USER, {**REPLY, "token_ids": ids, "finish_reason": "length"}]},
+        {"id": "ended", "conversations": [USER, {**REPLY, "token_ids": ids, "finish_reason": "stop"}]},
+    ]
+    dataset, _ = prepare_dataset(_write_jsonl(tmp_path / "cut.jsonl", rows), tiny_tokenizer, 256)
+    im_end = tiny_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    whole = expected_loss_mask(tiny_tokenizer, [USER, REPLY])
+    eot = dataset[0]["input_ids"].index(im_end, whole.index(1))
+    assert whole[eot] == 1 and dataset[0]["loss_mask"] == whole[:eot] + [0] + whole[eot + 1 :]
+    assert dataset[0]["input_ids"] == _ids(tiny_tokenizer, [USER, REPLY])  # the same tokens
+    for cut, row in ((True, dataset[1]), (False, dataset[2])):
+        eot = row["input_ids"].index(im_end, row["loss_mask"].index(1))
+        assert row["loss_mask"][eot] == int(not cut) and sum(row["loss_mask"]) == len(ids) + int(not cut)
+
+
+def test_a_finish_reason_on_a_user_turn_or_not_a_string_is_a_per_line_error(tiny_tokenizer, tmp_path):
+    rows = [
+        VALID,
+        {"id": "user", "conversations": [{**USER, "finish_reason": "length"}, REPLY]},
+        {"id": "number", "conversations": [USER, {**REPLY, "finish_reason": 1}]},
+    ]
+    path = _write_jsonl(tmp_path / "bad.jsonl", rows)
+    with pytest.raises(
+        ValueError, match=r"bad.jsonl:2: turn 1 \(user\): 'finish_reason' is why a reply ended"
+    ):
+        prepare_dataset(path, tiny_tokenizer, max_length=256, on_error="fail")
+    dataset, summary = prepare_dataset(path, tiny_tokenizer, max_length=256, on_error="skip", quiet=True)
+    assert dataset["id"] == ["ok"] and summary["dropped_by_reason"] == {"bad_finish_reason": 2}

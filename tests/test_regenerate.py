@@ -76,6 +76,8 @@ class _ChatServer(BaseHTTPRequestHandler):
         turn = sum(m["role"] == "assistant" for m in body["messages"]) + 1
         reply = f"Reply {turn} to: {body['messages'][-1]['content']}"
         answer = {"choices": [{"index": 0, "message": {"role": "assistant", "content": reply}}]}
+        if "cut me" in body["messages"][-1]["content"]:  # a reply that reached max_tokens
+            answer["choices"][0]["finish_reason"] = "length"
         data = json.dumps(answer).encode()
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
@@ -105,6 +107,7 @@ def test_server_regeneration_writes_replies_turn_by_turn(chat_server, tmp_path, 
     rows = [
         {"id": "a", "conversations": [{"role": "system", "content": "Be brief."}, user("hi"), old]},
         {"id": "b", "messages": [user("one"), old, user("two"), old]},
+        {"id": "c", "messages": [user("please cut me"), old]},
     ]
     output = tmp_path / "out.jsonl"
     arguments = ["--input", str(_write_jsonl(tmp_path / "in.jsonl", rows)), "--out", str(output)]
@@ -126,8 +129,15 @@ def test_server_regeneration_writes_replies_turn_by_turn(chat_server, tmp_path, 
                 _assistant("Reply 2 to: two"),
             ],
         },
+        {
+            "id": "c",
+            "conversations": [
+                user("please cut me"),
+                {**_assistant("Reply 1 to: please cut me"), "finish_reason": "length"},
+            ],
+        },
     ]
-    assert len(requests) == 3
+    assert len(requests) == 4
     for request in requests:
         assert request["model"] == "tiny" and request["temperature"] == 0 and request["max_tokens"] == 32
         assert request["chat_template_kwargs"] == {"enable_thinking": False}
@@ -262,11 +272,12 @@ def test_local_regeneration_keeps_the_generated_ids_and_answers_prompt_only_reco
     assert all(row["conversations"][0]["role"] == "user" for row in rows)  # prompt-only records
     output = tmp_path / "regen.jsonl"
     regenerate_file(
-        _write_jsonl(tmp_path / "in.jsonl", rows), output, LocalTargetGenerator(model, tiny_tokenizer, 24), 2
+        _write_jsonl(tmp_path / "in.jsonl", rows), output, LocalTargetGenerator(model, tiny_tokenizer, 30), 2
     )
 
     regenerated = {row["id"]: row for row in _read_jsonl(output)}  # written in order of prompt length
     assert sorted(regenerated) == sorted(row["id"] for row in rows)
+    cut = []
     for row in rows:
         user, reply = regenerated[row["id"]]["conversations"]
         assert user == row["conversations"][0] and reply["role"] == "assistant"
@@ -274,8 +285,12 @@ def test_local_regeneration_keeps_the_generated_ids_and_answers_prompt_only_reco
         prompt = tiny_tokenizer.apply_chat_template([user], tokenize=False, add_generation_prompt=True)
         prompt_ids = tiny_tokenizer(prompt, add_special_tokens=False)["input_ids"]
         with torch.no_grad():
-            generated = model.generate(torch.tensor([prompt_ids]), max_new_tokens=24, do_sample=False)
+            generated = model.generate(torch.tensor([prompt_ids]), max_new_tokens=30, do_sample=False)
         expected = generated[0, len(prompt_ids) :].tolist()
-        if tiny_tokenizer.eos_token_id in expected:
+        cut.append(tiny_tokenizer.eos_token_id not in expected)
+        if not cut[-1]:
             expected = expected[: expected.index(tiny_tokenizer.eos_token_id)]
         assert reply["token_ids"] == expected and reply["content"] == tiny_tokenizer.decode(expected)
+        # a reply that reached the limit says so, as an OpenAI server would: no end-of-turn label
+        assert reply.get("finish_reason") == ("length" if cut[-1] else None)
+    assert any(cut) and not all(cut), cut  # both kinds of reply occurred

@@ -111,6 +111,8 @@ def _kept_fields(turn: dict) -> dict:
     kept = {"role": turn["role"], "content": turn["content"]}
     if "token_ids" in turn:
         kept["token_ids"] = turn["token_ids"]
+    if turn.get("finish_reason") == "length":
+        kept["finish_reason"] = "length"
     return kept
 
 
@@ -148,6 +150,14 @@ def _check_turn(turn: object, turn_number: int) -> None:
         raise SampleError("empty_content", f"{where} ({turn['role']}) has empty content")
     if "token_ids" in turn:
         _check_token_ids(turn, where)
+    if "finish_reason" in turn and (
+        turn["role"] != "assistant" or not isinstance(turn["finish_reason"], str)
+    ):
+        raise SampleError(
+            "bad_finish_reason",
+            f"{where} ({turn['role']}): 'finish_reason' is why a reply ended (\"length\": cut at the length "
+            "limit), a string on assistant turns only",
+        )
 
 
 def _check_token_ids(turn: dict, where: str) -> None:

@@ -25,7 +25,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -50,6 +50,8 @@ class Reply:
     # [len(feature_ids), (K+1)*H]; None when not recorded
     feature_ids: list[int] | None = None
     features: torch.Tensor | None = None
+    # the reply reached the length limit before an end-of-turn token: the target would have gone on
+    cut: bool = False
 
 
 class ReplyGenerator(Protocol):
@@ -132,14 +134,15 @@ class LocalTargetGenerator:
             conversations.append(ids)
         features = recorded.features(conversations)
         return [
-            Reply(reply.text, reply.token_ids, ids, feats)
+            replace(reply, feature_ids=ids, features=feats)
             for reply, ids, feats in zip(replies, conversations, features)
         ]
 
     def _reply(self, new_ids: list[int]) -> Reply:
-        """The ids up to (not including) the first stop token, and their text."""
-        end = next((i for i, token in enumerate(new_ids) if token in self.stop_ids), len(new_ids))
-        return Reply(self.tokenizer.decode(new_ids[:end], skip_special_tokens=False), new_ids[:end])
+        """The ids up to (not including) the first stop token, and their text; `cut` without one."""
+        end = next((i for i, token in enumerate(new_ids) if token in self.stop_ids), None)
+        ids = new_ids if end is None else new_ids[:end]
+        return Reply(self.tokenizer.decode(ids, skip_special_tokens=False), ids, cut=end is None)
 
 
 def _left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -200,13 +203,14 @@ class ServerGenerator:
             raise RuntimeError(f"{self.url} answered HTTP {error.code}: {detail}") from None
         except urllib.error.URLError as error:
             raise ValueError(f"cannot reach {self.url} ({error.reason}); check --server-url") from None
-        message = answer["choices"][0]["message"]
+        choice = answer["choices"][0]
+        message = choice["message"]
         if message.get("reasoning_content"):
             raise ValueError(
                 "the server split the reply into reasoning_content and content; start it without a reasoning "
                 "parser so that the reply text (thinking included) comes back verbatim"
             )
-        return Reply(message["content"] or "")
+        return Reply(message["content"] or "", cut=choice.get("finish_reason") == "length")
 
 
 def regenerate_conversations(conversations: Sequence[Messages], generator: ReplyGenerator) -> list[Messages]:
@@ -252,6 +256,8 @@ def _reply_turn(reply: Reply | str) -> dict:
     turn = {"role": "assistant", "content": reply.text}
     if reply.token_ids is not None:
         turn["token_ids"] = list(reply.token_ids)
+    if reply.cut:  # as an OpenAI server says it; training then supervises no end-of-turn token there
+        turn["finish_reason"] = "length"
     return turn
 
 

@@ -72,6 +72,12 @@ def stop_token_ids(tokenizer: Any, target: Any = None) -> list[int]:
     return sorted(ids)
 
 
+def cut_at_length(reply: dict) -> bool:
+    """A reply that ended at the length limit (`finish_reason: "length"`, as regeneration and OpenAI
+    servers say it): its end-of-turn marker is the template's, not the target's, so not a label."""
+    return reply.get("finish_reason") == "length"
+
+
 def render_with_loss_mask(
     messages: list[dict[str, str]],
     tokenizer: Any,
@@ -82,7 +88,11 @@ def render_with_loss_mask(
     cannot be found verbatim (followed by its end-of-turn marker) in the rendered text."""
     end_of_turn = _end_of_turn(tokenizer, end_of_turn)
     text = render_text(messages, tokenizer, chat_template_kwargs)
-    spans = [(start, end) for start, _, end in _assistant_spans(text, messages, end_of_turn)]
+    replies = [message for message in messages if message["role"] == "assistant"]
+    spans = [  # a reply cut at the length limit: its end-of-turn marker is not the target's
+        (start, content_end if cut_at_length(reply) else end)
+        for reply, (start, content_end, end) in zip(replies, _assistant_spans(text, messages, end_of_turn))
+    ]
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     loss_mask = [int(_overlaps(token, spans)) for token in encoding["offset_mapping"]]
     return list(encoding["input_ids"]), loss_mask
@@ -99,7 +109,8 @@ def render_with_token_ids(
     Without any `token_ids` this is render_with_loss_mask (matches_text True). Otherwise the text
     before, between and after the replies is tokenised piece by piece, each reply with ids is placed
     as its ids, and the reply's trailing whitespace and end-of-turn marker are tokenised from the
-    text; loss_mask is 1 on each reply and its end-of-turn marker. matches_text says whether the
+    text; loss_mask is 1 on each reply and its end-of-turn marker (not on the marker of a reply with
+    `finish_reason: "length"`: cut at the length limit, the target did not end it there). matches_text says whether the
     result equals the tokenisation of the whole rendered text (False: the text does not re-tokenise
     to the target's ids). An id may lie past the tokenizer's last token (a target's vocabulary is
     often padded beyond it): the target emitted it, so it is the label.
@@ -123,9 +134,9 @@ def render_with_token_ids(
     for reply, (start, content_end, end) in zip(replies, _assistant_spans(text, messages, end_of_turn)):
         before = _encode(tokenizer, text[cursor:start])
         reply_ids = reply.get("token_ids") or _encode(tokenizer, text[start:content_end])
-        reply_ids = reply_ids + _encode(tokenizer, text[content_end:end])
-        input_ids += before + reply_ids
-        loss_mask += [0] * len(before) + [1] * len(reply_ids)
+        closing = _encode(tokenizer, text[content_end:end])  # whitespace and the end-of-turn marker
+        input_ids += before + reply_ids + closing
+        loss_mask += [0] * len(before) + [1] * len(reply_ids) + [int(not cut_at_length(reply))] * len(closing)
         cursor = end
     after = _encode(tokenizer, text[cursor:])
     input_ids, loss_mask = input_ids + after, loss_mask + [0] * len(after)
