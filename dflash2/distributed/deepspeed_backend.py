@@ -302,6 +302,10 @@ class DeepSpeedBackend(Backend):
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
         for key, value in state["engine"].items():
             setattr(engine, key, value)
+        # DeepSpeed finds an accumulation boundary from its micro-step count: counted in this launch's
+        # accumulation steps, a checkpoint of another number of ranks (other accumulation steps) would
+        # put a boundary, and an optimizer update, in the middle of this launch's first step
+        engine.micro_steps = engine.global_steps * self.grad_accum_steps
         self._micro_steps = 0
         self.barrier()
 
@@ -334,10 +338,14 @@ class DeepSpeedBackend(Backend):
         """AdamW's step count and hyper-parameters; its moments start as zeros, to be overwritten."""
         optimizer = self._require_engine().optimizer
         adamw = optimizer.optimizer
-        for flat in optimizer.fp32_partitioned_groups_flat:
-            # torch AdamW creates this state at its first step: it must exist before the moments are written
+        for flat, group in zip(optimizer.fp32_partitioned_groups_flat, adamw.param_groups, strict=True):
+            # torch AdamW creates this state at its first step: it must exist before the moments are
+            # written; its step count where AdamW keeps it (fused or capturable: on the partition's device)
+            on_device = group.get("fused") or group.get("capturable")
             adamw.state[flat] = {
-                "step": torch.tensor(state["optimizer_step"], dtype=torch.float32),
+                "step": torch.tensor(
+                    state["optimizer_step"], dtype=torch.float32, device=flat.device if on_device else "cpu"
+                ),
                 "exp_avg": torch.zeros_like(flat),
                 "exp_avg_sq": torch.zeros_like(flat),
             }
