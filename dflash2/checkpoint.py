@@ -422,12 +422,16 @@ def load_checkpoint(
 def check_resume(ckpt_dir: Path, contract: dict) -> None:
     """Refuse to resume from anything but a complete checkpoint written under the same contract
     (no collective, nothing loaded: call it before the target loads)."""
+    check_complete(ckpt_dir)
+    validate_contract(read_contract(ckpt_dir), contract)
+
+
+def check_complete(ckpt_dir: Path) -> None:
     if not (Path(ckpt_dir) / COMPLETE).is_file():
         raise ValueError(
             f"{ckpt_dir} is not a complete checkpoint (no {COMPLETE} marker); resume from a checkpoint "
             f"directory that has one, e.g. <output_dir>/{CHECKPOINTS}/{step_dir_name(100)}"
         )
-    validate_contract(read_contract(ckpt_dir), contract)
 
 
 def read_contract(ckpt_dir: Path) -> dict:
@@ -445,6 +449,7 @@ def resume_point(resume: str, run_dir: Path) -> Path | None:
     path = Path(resume)
     if not path.is_dir():
         raise ValueError(f"train.resume={resume!r}: no such checkpoint directory (or use auto|none)")
+    check_complete(path)  # before anything reads it: a run directory, checkpoints/, a partial write
     return path
 
 

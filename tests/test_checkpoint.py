@@ -432,6 +432,11 @@ def test_resume_accepts_any_directory_name_and_refuses_incomplete_ones(tmp_path)
     (copy / "COMPLETE").unlink()
     with pytest.raises(ValueError, match="not a complete checkpoint"):
         check_resume(copy, CONTRACT)
+    # train.resume=<a directory that is no checkpoint>: a user error before anything reads it (a run
+    # directory, its checkpoints/, a partial write), not a missing train-state file's traceback
+    for directory in (copy, tmp_path, tmp_path / "checkpoints"):
+        with pytest.raises(ValueError, match=r"is not a complete checkpoint \(no COMPLETE marker\)"):
+            resume_point(str(directory), tmp_path / "other")
     (tmp_path / "checkpoints" / "step_not_a_number").mkdir()  # never taken for a step directory
     assert find_latest(tmp_path) == ckpt
 
