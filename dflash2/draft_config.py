@@ -76,7 +76,7 @@ def build_draft_config(target_dir: str | Path, choices: DraftChoices) -> tuple[d
 
 def backbone_fields(text: dict, choices: DraftChoices) -> dict:
     hidden, num_layers = require(text, "hidden_size"), choices.num_layers
-    heads = flag_or(choices.num_attention_heads, require(text, "num_attention_heads"))
+    heads = flag_or_target(choices.num_attention_heads, text, "num_attention_heads")
     target_rope = (text.get("rope_parameters") or {}).get("rope_theta", text.get("rope_theta"))
     rope_theta = flag_or(choices.rope_theta, target_rope)
     if rope_theta is None:
@@ -87,7 +87,7 @@ def backbone_fields(text: dict, choices: DraftChoices) -> dict:
         "architectures": [choices.architecture],
         "model_type": "qwen3",
         "hidden_size": hidden,
-        "intermediate_size": flag_or(choices.intermediate_size, require(text, "intermediate_size")),
+        "intermediate_size": flag_or_target(choices.intermediate_size, text, "intermediate_size"),
         "num_hidden_layers": num_layers,
         "num_attention_heads": heads,
         "num_key_value_heads": flag_or(choices.num_key_value_heads, text.get("num_key_value_heads", heads)),
@@ -98,8 +98,8 @@ def backbone_fields(text: dict, choices: DraftChoices) -> dict:
         "attention_dropout": 0.0,
         "rope_parameters": {"rope_type": "default", "rope_theta": float(rope_theta)},
         "rope_theta": float(rope_theta),
-        "max_position_embeddings": flag_or(
-            choices.max_position_embeddings, require(text, "max_position_embeddings")
+        "max_position_embeddings": flag_or_target(
+            choices.max_position_embeddings, text, "max_position_embeddings"
         ),
         "vocab_size": require(text, "vocab_size"),
         "num_target_layers": require(text, "num_hidden_layers"),
@@ -147,6 +147,17 @@ def dflash_fields(cfg: dict, choices: DraftChoices, mask_token: str | None, mask
 def flag_or(value: Any, default: Any) -> Any:
     """A flag's value when it was passed (0 included), else the default."""
     return default if value is None else value
+
+
+def flag_or_target(value: Any, text: dict, key: str) -> Any:
+    """A flag's value when it was passed, else the target's `key` (required only then: a flag
+    stands in for a field the target's config lacks, e.g. a MoE target's dense intermediate_size)."""
+    if value is not None:
+        return value
+    if text.get(key) is None:
+        flag = "--" + key.replace("_", "-")
+        raise ValueError(f"the target's config has no {key}; pass {flag}")
+    return text[key]
 
 
 def require(text: dict, key: str) -> Any:

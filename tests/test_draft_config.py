@@ -194,6 +194,23 @@ def test_refusals_are_one_message_exit_2(smollm2, tiny_default, tmp_path, capsys
     assert not (tmp_path / "x.json").exists()
 
 
+def test_a_flag_stands_in_for_a_field_the_targets_config_lacks(tiny_default, tmp_path, capsys):
+    # a MoE text config (Qwen3.5-MoE) has no dense intermediate_size: --intermediate-size gives it
+    target = tmp_path / "no-intermediate"
+    target.mkdir()
+    config = json.loads((tiny_default.target_dir / "config.json").read_text())
+    del config["intermediate_size"], config["max_position_embeddings"]
+    (target / "config.json").write_text(json.dumps(config))
+    base = ["--target", str(target), "--arch", "DFlash2DraftModel", "--out", str(tmp_path / "x.json")]
+    base += ["--mask-token-id", "5"]
+    assert "the target's config has no intermediate_size; pass --intermediate-size" in refusal(capsys, *base)
+    written, _ = generate(
+        capsys, target, "DFlash2DraftModel", tmp_path / "x.json", "--mask-token-id", "5",
+        "--intermediate-size", "96", "--max-position-embeddings", "512",
+    )  # fmt: skip
+    assert written["intermediate_size"] == 96 and written["max_position_embeddings"] == 512
+
+
 def test_the_module_command_exits_2_with_one_line(smollm2, tmp_path):
     command = [sys.executable, "-m", "dflash2.draft_config", "--target", str(smollm2.target_dir)]
     command += ["--arch", "DFlash2DraftModel", "--out", str(tmp_path / "x.json"), "--conv-group-size", "7"]
