@@ -155,6 +155,67 @@ def test_normalize_fills_defaults():
     assert normalize_draft_config({"num_hidden_layers": 1})["architectures"] == ["DFlashDraftModel"]
 
 
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 0},
+        {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1},
+        {"use_sliding_window": True, "max_window_layers": 2},
+        {"use_sliding_window": False, "sliding_window": 64, "max_window_layers": 0},
+        {},
+    ],
+)
+def test_layer_types_left_out_are_what_transformers_reads(v2, fields):
+    # the reference: transformers' own Qwen3Config on the same fields
+    cfg = {k: v for k, v in v2.items() if k not in ("layer_types", "use_sliding_window", "sliding_window")}
+    cfg["num_hidden_layers"] = 3
+    cfg.update(fields)
+    expected = Qwen3Config(num_hidden_layers=3, **fields).layer_types
+    assert normalize_draft_config(cfg)["layer_types"] == expected
+
+
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {
+            "rope_theta": 1e6,
+            "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256},
+        },
+        {
+            "rope_theta": 1e6,
+            "rope_scaling": {"type": "yarn", "factor": 2.0, "original_max_position_embeddings": 256},
+        },
+        {"rope_theta": 1e6, "rope_parameters": {"rope_type": "default"}},
+    ],
+)
+def test_the_draft_uses_the_rope_theta_and_scaling_its_config_gives(v2, rope):
+    # a legacy rope_scaling or a rope_parameters without its theta: the draft trains with theta 1e6,
+    # as transformers reads the raw config, and its export round-trips
+    from dflash2.models import build_draft
+
+    cfg = {k: v for k, v in v2.items() if k not in ("rope_theta", "rope_parameters", "rope_scaling")}
+    cfg.update(copy.deepcopy(rope))
+    normalized = normalize_draft_config(cfg)
+    assert "rope_scaling" not in normalized and normalized["rope_theta"] == 1e6
+    params = normalized["rope_parameters"]
+    assert params["rope_theta"] == 1e6 and params["rope_type"] == (
+        "default" if "rope_parameters" in rope else "yarn"
+    )
+    draft = build_draft(normalized)
+    assert draft.config.rope_parameters == params and draft.config.rope_theta == 1e6
+    head_dim = draft.config.head_dim
+    if params["rope_type"] == "default":  # the reference inverse frequencies at theta 1e6
+        expected = 1.0 / (1e6 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        torch.testing.assert_close(draft.rotary_emb.inv_freq, expected)
+    assert normalize_draft_config(draft.config.to_dict())["rope_parameters"] == params  # what export writes
+
+
+def test_rope_scaling_that_contradicts_rope_parameters_is_refused(v2):
+    cfg = {**v2, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}
+    with pytest.raises(ValueError, match="rope_scaling=.* and rope_parameters=.* are both set and differ"):
+        normalize_draft_config(cfg)
+
+
 def test_normalize_sets_use_sliding_window(v2):
     v2["use_sliding_window"] = False
     assert normalize_draft_config(v2)["use_sliding_window"] is True

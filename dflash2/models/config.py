@@ -184,11 +184,29 @@ def _nest_dflash_fields(cfg: dict) -> dict:
 
 
 def _normalize_rope(cfg: dict) -> None:
-    """Keep ``rope_parameters`` (transformers 5) and the legacy ``rope_theta`` both present and equal."""
+    """Keep ``rope_parameters`` (transformers 5) and the legacy ``rope_theta`` both present and equal.
+    A legacy ``rope_scaling`` dict (e.g. YaRN) becomes ``rope_parameters`` with the theta: left beside
+    them, transformers would take it for the RoPE parameters and drop the theta (10000 instead)."""
     theta = cfg.get("rope_theta")
     params = cfg.get("rope_parameters")
+    scaling = cfg.get("rope_scaling")
+    if isinstance(scaling, dict):
+        folded = {key: value for key, value in scaling.items() if key != "type"}
+        folded.setdefault("rope_type", scaling.get("type", "default"))
+        if params is None:
+            params = cfg["rope_parameters"] = folded
+        elif {k: v for k, v in params.items() if k != "rope_theta"} != {
+            k: v for k, v in folded.items() if k != "rope_theta"
+        }:
+            raise ValueError(
+                f"rope_scaling={scaling!r} and rope_parameters={params!r} are both set and differ; keep "
+                "rope_parameters (transformers 5's form: the RoPE type, its scaling fields and rope_theta)"
+            )
+        cfg.pop("rope_scaling")
     if params is None and theta is not None:
         cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": theta}
+    elif isinstance(params, dict) and "rope_theta" not in params and theta is not None:
+        params["rope_theta"] = theta
     elif isinstance(params, dict) and "rope_theta" in params:
         if theta is not None and theta != params["rope_theta"]:
             raise ValueError(
@@ -196,6 +214,17 @@ def _normalize_rope(cfg: dict) -> None:
                 "keep one value"
             )
         cfg["rope_theta"] = params["rope_theta"]
+
+
+def _qwen3_layer_types(cfg: dict, num_layers: int) -> list[str]:
+    """The layer types transformers' Qwen3Config gives a config without `layer_types`: with
+    `use_sliding_window`, sliding from layer `max_window_layers` on (its defaults: window 4096, 28)."""
+    window = cfg.get("sliding_window", 4096) if cfg.get("use_sliding_window") else None
+    first_sliding = cfg.get("max_window_layers", 28)
+    return [
+        "sliding_attention" if window is not None and i >= first_sliding else "full_attention"
+        for i in range(num_layers)
+    ]
 
 
 def normalize_draft_config(cfg: dict) -> dict:
@@ -214,7 +243,7 @@ def normalize_draft_config(cfg: dict) -> dict:
     out.setdefault("tie_word_embeddings", False)
     num_layers = out.get("num_hidden_layers")
     if "layer_types" not in out and _is_int(num_layers):
-        out["layer_types"] = ["full_attention"] * num_layers
+        out["layer_types"] = _qwen3_layer_types(out, num_layers)
     if "sliding_attention" in (out.get("layer_types") or []):
         out["use_sliding_window"] = True
     num_target_layers = nested.get("num_target_layers")
