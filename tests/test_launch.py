@@ -50,13 +50,19 @@ def stub_scontrol(
     directory: Path, nodelist: str, hostnames: list[str], log: Path, job_state: str = "RUNNING"
 ) -> None:
     """scontrol that answers `show hostnames <nodelist>` with the recorded hosts and `show job` with
-    `job_state`, and logs `requeue <id>`."""
+    `job_state` (its third line, as SLURM writes it, before 200 KB of other fields: more than a
+    pipe holds, so a reader that stops at the match ends scontrol with SIGPIPE), and logs
+    `requeue <id>`."""
     write_stub(
         directory,
         "scontrol",
         f"""echo "$*" >> {log}
 if [[ "$1 $2" == "show hostnames" && "$3" == "{nodelist}" ]]; then printf '%s\\n' {" ".join(hostnames)}; exit 0; fi
-if [[ "$1 $2" == "show job" ]]; then echo "JobId=$3 JobState={job_state}"; exit 0; fi
+if [[ "$1 $2" == "show job" ]]; then
+  printf 'JobId=%s JobName=x\n   UserId=u(1) GroupId=g(1)\n   JobState={job_state} Reason=None\n' "$3"
+  for i in $(seq 2000); do echo "   Comment=$(printf '%090d' "$i")"; done
+  exit 0
+fi
 if [[ "$1" == requeue ]]; then exit 0; fi
 echo "scontrol stub: unexpected arguments: $*" >&2; exit 1
 """,

@@ -51,7 +51,11 @@ _dflash2_free_port() {
 }
 
 _dflash2_cancelled() {
-  scontrol show job "$SLURM_JOB_ID" 2>/dev/null | grep -q "JobState=CANCELLED"
+  # the whole output, then a match: `scontrol ... | grep -q` under pipefail fails when grep exits at
+  # the first match before scontrol has written the rest (SIGPIPE), and a cancelled job was requeued
+  local job
+  job="$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null)"
+  [[ "$job" == *"JobState=CANCELLED"* ]]
 }
 
 # Wait for the step, through the traps' interruptions of `wait`; its exit status.
