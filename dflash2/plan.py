@@ -131,6 +131,7 @@ class StepShapes:
     num_kv_heads: int
     head_dim: int
     num_features: int  # K target layers captured
+    teacher: bool  # the target's last hidden state captured too (a KL or TV weight, labels: target)
     selector_top_k: int  # 0 without a selector
     selector_rank: int
     sliding_windows: tuple[int | None, ...]  # per draft layer: its window, None for full attention
@@ -150,6 +151,7 @@ def step_shapes(cfg: RunConfig, draft: nn.Module) -> StepShapes:
         num_kv_heads=c.num_key_value_heads,
         head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads,
         num_features=len(draft.target_layer_ids),
+        teacher=cfg.objective.needs_teacher,
         selector_top_k=selector.top_k if selector is not None else 0,
         selector_rank=selector.predecessor_codebook.shape[1] if selector is not None else 0,
         sliding_windows=tuple(layer.self_attn.sliding_window for layer in draft.layers),
@@ -203,21 +205,23 @@ def draft_activation_bytes(s: StepShapes, act: int) -> dict[str, float]:
 
 
 def capture_items(target: nn.Module, s: StepShapes, target_bytes: int, act: int) -> list[Item]:
-    """No-grad target forward: hooks keep the outputs of the K captured layers beside the running
-    hidden state, one layer's intermediates live at a time, and the captured features [b, S, K*H]
-    are kept for the draft."""
+    """No-grad target forward: hooks keep the outputs of the K captured layers (and, for a teacher,
+    the final-normed last hidden state) beside the running hidden state, one layer's intermediates
+    live at a time, and the captured features [b, S, K*H] (+ H) are kept for the draft."""
     tokens = s.batch * s.seq_len
+    captured = s.num_features + int(s.teacher)
     widest_layer = max(
         sum(m.out_features for m in block.modules() if isinstance(m, nn.Linear))
         for block in target.modules()
         if type(block).__name__ in set(target._no_split_modules or ())
     )
     return [
-        Item("target layer outputs", tokens * s.hidden * (s.num_features + 1) * target_bytes,
-             f"{s.num_features} hooked layer outputs + the running [b, S, H]"),
+        Item("target layer outputs", tokens * s.hidden * (captured + 1) * target_bytes,
+             f"{captured} hooked outputs + the running [b, S, H]"),
         Item("target layer working set", tokens * (widest_layer + 2 * s.hidden) * target_bytes,
              "one layer's projections, upper bound"),
-        Item("captured features", tokens * s.num_features * s.hidden * act, "[b, S, K*H]"),
+        Item("captured features", tokens * captured * s.hidden * act,
+             "[b, S, (K+1)*H]: the last hidden state too" if s.teacher else "[b, S, K*H]"),
     ]  # fmt: skip
 
 

@@ -14,6 +14,7 @@ from dflash2.config import load_run_config
 from dflash2.errors import EXIT_DOES_NOT_FIT, EXIT_USER_ERROR, run_main
 from dflash2.fixtures.tiny_default import TARGET_DIMS
 from dflash2.models import TargetHead, build_draft
+from dflash2.models.config import load_config_dict
 from dflash2.objective import ObjectiveConfig, compute_objective
 from dflash2.plan import (
     DTYPE_BYTES,
@@ -89,6 +90,7 @@ def test_bf16_zero3_keeps_fp32_master_and_offload_moves_state_to_cpu(tiny_target
     assert offloaded == {
         "target shards",
         "draft parameters",
+        "draft gradients",  # DeepSpeed's flat gradient partitions follow the optimizer to the CPU
         "draft fp32 gradients (step)",
         "draft optimizer state",
     }
@@ -155,7 +157,7 @@ def test_activation_estimate_matches_a_real_step(precision, batch_size, num_anch
     shapes = StepShapes(
         batch=batch_size, seq_len=seq_len, num_anchors=num_anchors, block_size=block, hidden=hidden,
         intermediate=config["intermediate_size"], num_heads=heads[0], num_kv_heads=heads[1],
-        head_dim=config["head_dim"], num_features=num_features,
+        head_dim=config["head_dim"], num_features=num_features, teacher=False,
         selector_top_k=config["dflash_config"]["selector_top_k"],
         selector_rank=config["dflash_config"]["selector_rank"],
         sliding_windows=(window,) * config["num_hidden_layers"],
@@ -163,6 +165,19 @@ def test_activation_estimate_matches_a_real_step(precision, batch_size, num_anch
     estimate = draft_activation_bytes(shapes, DTYPE_BYTES[precision])
     estimate.pop("backward (one layer)")  # transient gradients, not saved tensors
     assert 0.95 * measured <= sum(estimate.values()) <= 1.3 * measured
+
+
+def test_a_teacher_adds_the_last_hidden_state_to_the_captured_features(tiny_target_config):
+    # a KL weight (or labels: target) captures [b, S, (K+1)*H]: the planner counts the one more state
+    def captured(*overrides):
+        cfg = load_run_config(TINY, [PER_RANK_BATCH, *overrides])
+        (role,) = plan_run(cfg, world_size=1, target_config=tiny_target_config).roles
+        return item(role, "captured features")
+
+    num_features = len(load_config_dict(TINY_DRAFT)["dflash_config"]["target_layer_ids"])
+    plain = captured()
+    assert captured("objective.kl_weight=1") == pytest.approx(plain * (num_features + 1) / num_features)
+    assert captured("objective.labels=target") == captured("objective.kl_weight=1")
 
 
 def test_27b_recipes_plan_on_meta():

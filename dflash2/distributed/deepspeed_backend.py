@@ -150,7 +150,8 @@ class DeepSpeedBackend(Backend):
             ]
         return [
             MemoryItem("draft parameters", numel * act, f"{per}, bf16 partitions", params_where),
-            MemoryItem("draft gradients", numel * act, f"{per}, bf16 partitions"),
+            # the flat gradient partitions live where the optimizer runs (pinned CPU memory under offload)
+            MemoryItem("draft gradients", numel * act, f"{per}, bf16 partitions", optim_where),
             MemoryItem(
                 "draft fp32 gradients (step)", numel * fp32, "fp32 copy of the partition", optim_where
             ),
@@ -338,9 +339,11 @@ class DeepSpeedBackend(Backend):
         """AdamW's step count and hyper-parameters; its moments start as zeros, to be overwritten."""
         optimizer = self._require_engine().optimizer
         adamw = optimizer.optimizer
-        for flat, group in zip(optimizer.fp32_partitioned_groups_flat, adamw.param_groups, strict=True):
+        for sub_group, flat in enumerate(optimizer.fp32_partitioned_groups_flat):
             # torch AdamW creates this state at its first step: it must exist before the moments are
-            # written; its step count where AdamW keeps it (fused or capturable: on the partition's device)
+            # written; its step count where AdamW keeps it (fused or capturable: on the partition's
+            # device). A parameter group larger than ZeRO's sub_group_size holds several partitions.
+            group = adamw.param_groups[optimizer.sub_group_to_group_id[sub_group]]
             on_device = group.get("fused") or group.get("capturable")
             adamw.state[flat] = {
                 "step": torch.tensor(
