@@ -210,7 +210,9 @@ def run_capture_rank(
     order = (len(dataset), train.micro_batch_size, train.grad_accum_steps, cfg.seed)
     position = {"epoch": start.epoch, "start_step": start.step_in_epoch}
     streams = {t: step_batches(*order, t, num_trainers, **position) for t in mine}
-    sender = FeatureSender(transfer_group, train.micro_batch_size, backend.device)
+    sender = FeatureSender(
+        transfer_group, train.micro_batch_size, backend.device, served=[num_capture + t for t in mine]
+    )
     store = dist.distributed_c10d._get_default_store()  # the job's rendezvous store (no public getter)
     threading.Thread(target=_relay_stop_request, args=(store,), name="stop-relay", daemon=True).start()
 

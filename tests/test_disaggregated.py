@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -176,6 +177,18 @@ def test_disaggregated_matches_colocated_across_a_resume_and_trainers_hold_no_ta
     waits = [m["feature_wait_s"] for m in metrics(split)]
     assert len(waits) == 4 and all(w >= 0 for w in waits)
     assert check_export(split / "export") == []  # exported by the trainer ranks
+
+
+def test_a_finished_run_launched_again_ends_at_once(fsdp_disaggregated, common, tmp_path):
+    # resumed at its last step the capture rank sends nothing: every trainer must still get the end
+    # marker (it waited for it until the collective timeout, then exited 1)
+    run_dir = tmp_path / "run"
+    shutil.copytree(fsdp_disaggregated[0], run_dir)
+    args = [*common, f"output_dir={run_dir}", "topology=disaggregated", "capture_ranks=1"]
+    start = time.monotonic()
+    again = check_ok(launch_train(3, args, extra_env={"DFLASH2_DIST_TIMEOUT_S": str(CRASH_BOUND_S)}))
+    assert time.monotonic() - start < CRASH_BOUND_S and "resumed from" in again.stdout
+    assert losses(run_dir) == losses(fsdp_disaggregated[0])  # nothing trained again
 
 
 @pytest.mark.slow

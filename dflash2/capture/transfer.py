@@ -42,11 +42,15 @@ class FeatureSender:
         group: dist.ProcessGroup,
         micro_batch_size: int,
         device: torch.device,
+        served: list[int],
         depth: int = PREFETCH_DEPTH,
     ) -> None:
+        """`served`: the ranks of the trainers this capture rank feeds; each gets an end marker at
+        close(), also one this rank never sent a batch (a launch that resumes at its last step, a
+        stop before the first step), whose receiver would otherwise wait until the timeout."""
         self.group, self.device, self.depth = group, device, depth
         self.header_size = HEADER_FIELDS + micro_batch_size
-        self.in_flight: dict[int, deque] = {}
+        self.in_flight: dict[int, deque] = {dst: deque() for dst in served}
 
     def _send(self, dst: int, header: list[int], payload: torch.Tensor | None) -> None:
         pending = self.in_flight.setdefault(dst, deque())
