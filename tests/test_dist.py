@@ -358,3 +358,68 @@ def test_build_backend_rejects_mismatched_config_paths():
         build_backend("deepspeed", None, 1, 1)
     with pytest.raises(ValueError, match="backend must be one of"):
         build_backend("ddp", None, 1, 1)
+
+
+SELECTOR_DTYPES_SCRIPT = """
+import sys, torch
+sys.path.insert(0, {repo!r})
+from dflash2.config import OptimConfig
+from dflash2.distributed.env import build_backend, init_distributed
+from dflash2.models import build_draft
+from dflash2.models.config import load_config_dict
+
+init_distributed("fsdp")
+backend = build_backend("fsdp", None, 1, 1)
+draft = build_draft(load_config_dict("configs/draft/tiny-dflash2.json"))
+model = backend.setup_draft(draft, OptimConfig(), "bf16")
+selector = backend.unwrap(model).candidate_selector
+k = selector.top_k
+projected = []
+selector.hidden_projection.register_forward_hook(lambda m, args, out: projected.append(out.dtype))
+scores = selector(
+    torch.randn(2, draft.config.hidden_size, dtype=torch.bfloat16),
+    torch.randn(2, k, dtype=torch.float32) * 30,
+    torch.randint(0, 100, (2, k)),
+    torch.randint(0, 100, (2, k)),
+)
+print(scores.dtype, projected[0])
+"""
+
+
+def test_fsdp2_bf16_keeps_the_selectors_fp32_unary_logits(tmp_path):
+    # the objective sums fp32 unary logits with the pair scores (as DeepSpeed's bare selector and one
+    # process do); FSDP2's input cast would round them to bf16 in the selector's unit alone
+    script = tmp_path / "dtypes.py"
+    script.write_text(SELECTOR_DTYPES_SCRIPT.format(repo=str(REPO)))
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    # the selector's scores in fp32; its own product still computes in bf16 (the unit's parameters)
+    assert result.stdout.split() == ["torch.float32", "torch.bfloat16"], result.stdout
+
+
+DS_COMM_SCRIPT = """
+import sys
+sys.path.insert(0, {repo!r})
+from dflash2.config import OptimConfig
+from dflash2.distributed.env import build_backend, init_distributed
+from dflash2.models import build_draft
+from dflash2.models.config import load_config_dict
+
+init_distributed("deepspeed")
+backend = build_backend("deepspeed", "ds_configs/zero3.json", 1, 1)
+engine = backend.setup_draft(build_draft(load_config_dict("configs/draft/tiny-dflash2.json")), OptimConfig(), "bf16")
+print(engine.communication_data_type)
+"""
+
+
+def test_deepspeed_bf16_reduces_gradients_in_fp32(tmp_path):
+    # as FSDP2's reduce_dtype: without communication_data_type, ZeRO-3 reduces bf16 buckets
+    script = tmp_path / "comm.py"
+    script.write_text(DS_COMM_SCRIPT.format(repo=str(REPO)))
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split()[-1] == "torch.float32", result.stdout

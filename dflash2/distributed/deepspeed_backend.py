@@ -214,6 +214,8 @@ class DeepSpeedBackend(Backend):
         config = copy.deepcopy(self.ds_config)
         set_ds_value(config, "gradient_clipping", optim.max_grad_norm, source="optim.max_grad_norm")
         set_ds_value(config, "bf16.enabled", precision == "bf16", source=f"precision={precision!r}")
+        if precision == "bf16":  # gradients reduced in fp32, as FSDP2's reduce_dtype (else bf16 buckets)
+            config.setdefault("communication_data_type", "fp32")
         config["zero_allow_untested_optimizer"] = True  # torch AdamW as the client optimizer
         draft.float()  # fp32 master weights; DeepSpeed keeps a bf16 working copy when bf16 is enabled
         optimizer, scheduler = build_optimizer(draft, optim)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -22,6 +23,7 @@ from dflash2.distributed.base import (
     fp32_draft_state,
     sharded_block_types,
 )
+from dflash2.models.selector import CandidateSelector
 from dflash2.optim import build_optimizer, step_optimizer
 from dflash2.target.head import TargetHead, head_tensors
 from dflash2.target.load import load_sharded_target
@@ -52,12 +54,18 @@ class FSDPBackend(Backend):
     def _shard(
         self, model: nn.Module, mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy | None = None
     ) -> None:
-        """fully_shard every block named in `_no_split_modules`, then the root (which holds the rest)."""
+        """fully_shard every block named in `_no_split_modules`, then the root (which holds the rest).
+        The selector's unit keeps its inputs' dtypes: the objective hands it fp32 unary logits on
+        purpose (summed with the pair scores in fp32, as under DeepSpeed and in one process), which
+        the policy's input cast would round to bf16."""
         block_types = sharded_block_types(model)
         kwargs = {"mesh": mesh} if mp_policy is None else {"mesh": mesh, "mp_policy": mp_policy}
         for module in list(model.modules())[1:]:
             if type(module).__name__ in block_types:
-                fully_shard(module, **kwargs)
+                unit = kwargs
+                if mp_policy is not None and isinstance(module, CandidateSelector):
+                    unit = {**kwargs, "mp_policy": dataclasses.replace(mp_policy, cast_forward_inputs=False)}
+                fully_shard(module, **unit)
         fully_shard(model, **kwargs)
 
     @classmethod
