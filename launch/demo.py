@@ -23,6 +23,8 @@ sys.path.insert(0, str(REPO))
 from tqdm import tqdm  # noqa: E402
 
 from dflash2.fixtures.tiny_default import build_tiny_default  # noqa: E402
+from dflash2.identity import data_identity, target_identity  # noqa: E402
+from dflash2.stamped_build import read_stamp  # noqa: E402
 
 
 def stage(number: int, total: int, title: str) -> None:
@@ -33,10 +35,11 @@ STEP_LINE = re.compile(r"^step (\d+)/(\d+) ")
 BAR = "{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} steps [{elapsed}{postfix}]"
 
 
-def run(command: list[str], log: Path, threads: int | None = 1) -> None:
+def run(command: list[str], log: Path, threads: int | None = 1, ok_codes: tuple[int, ...] = (0,)) -> None:
     """Run a stage's command: its full output goes to a log file; the console gets a progress bar
     driven by the trainer's `step N/M` lines, plus the run's own [dflash2] messages. `threads`:
-    the stage's OMP_NUM_THREADS (None: torch's choice, every core)."""
+    the stage's OMP_NUM_THREADS (None: torch's choice, every core); `ok_codes`: the exit codes that
+    are the command's answer rather than its failure."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     if threads is not None:
         env["OMP_NUM_THREADS"] = str(threads)
@@ -57,7 +60,7 @@ def run(command: list[str], log: Path, threads: int | None = 1) -> None:
                 tqdm.write("  " + line.rstrip())
         if bar:
             bar.close()
-        if proc.wait() != 0:
+        if proc.wait() not in ok_codes:
             raise SystemExit(f"stage failed ({' '.join(command[:4])} ...); see {log}")
 
 
@@ -119,8 +122,18 @@ def regenerate(
     regen = out / "data" / "train.regenerated.jsonl"
     subset = out / "data" / "train.subset.jsonl"
     subset.parent.mkdir(parents=True, exist_ok=True)
-    lines = Path(tiny.train_jsonl).read_text().splitlines()[:num_samples]
+    lines = (
+        Path(tiny.train_jsonl).read_text().rstrip("\n").split("\n")[:num_samples]
+    )  # no str.splitlines: U+2028
     subset.write_text("\n".join(lines) + "\n")
+    settings = {
+        "target": read_stamp(Path(tiny.target_dir).parent) or target_identity(tiny.target_dir),
+        "prompts": data_identity(subset),
+        "max_new_tokens": max_new_tokens,
+        "dtype": dtype,
+        "capture": list(capture),
+    }
+    keep_only_if_same(regen, settings)
     run(
         [
             sys.executable,
@@ -141,6 +154,22 @@ def regenerate(
         threads,
     )
     return regen
+
+
+def keep_only_if_same(regen: Path, settings: dict) -> None:
+    """A rerun resumes the replies regenerated before (by id) only under the same settings (the
+    target, the prompts, the length limit, the dtype, what is captured); replies of other settings
+    are moved aside, so that training never reads replies the summary's recipe did not make."""
+    stamp = regen.with_name(regen.stem + ".settings.json")
+    if regen.exists() and (not stamp.is_file() or json.loads(stamp.read_text()) != settings):
+        aside = regen.with_name(f"{regen.stem}.other-settings-{time.strftime('%Y%m%d-%H%M%S')}.jsonl")
+        regen.rename(aside)
+        print(
+            f"[demo] {regen} holds replies of other settings (target, prompts, length, dtype): moved to "
+            f"{aside.name}; regenerating",
+            flush=True,
+        )
+    stamp.write_text(json.dumps(settings, indent=2) + "\n")
 
 
 def evaluate_drafts(
@@ -191,8 +220,10 @@ def evaluate_drafts(
 def serving_gate(
     tiny, out: Path, config: str = "configs/tiny-dflash2.yaml", *arguments: str, threads: int | None = 1
 ) -> dict:
-    """The serving gate (dflash2.serving_gate) on the first training conversations; returns its result."""
+    """The serving gate (dflash2.serving_gate) on the first training conversations; returns its result,
+    passed or not (a failed gate exits 1 and still writes its result: the summary reports it)."""
     gate_json = out / "serving_gate" / "result.json"
+    gate_json.unlink(missing_ok=True)  # never an earlier run's verdict
     run(
         [
             sys.executable,
@@ -209,7 +240,10 @@ def serving_gate(
         ],
         out / "serving_gate.log",
         threads,
+        ok_codes=(0, 1),
     )
+    if not gate_json.is_file():
+        raise SystemExit(f"stage failed (the serving gate wrote no result); see {out / 'serving_gate.log'}")
     return json.loads(gate_json.read_text())
 
 
@@ -264,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     out = (REPO / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").unlink(missing_ok=True)  # a run that stops part-way leaves no earlier summary
     start, total = time.time(), 7
 
     stage(1, total, "tiny default: tokenizer, conversations, trained tiny Qwen3 target (cached)")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -28,6 +29,7 @@ import demo  # noqa: E402  (launch/demo.py: the stages both demos run)
 
 from dflash2.data.real_prompts import build_real_prompts  # noqa: E402
 from dflash2.draft_config import DraftChoices, build_draft_config  # noqa: E402
+from dflash2.export import read_training_run  # noqa: E402
 from dflash2.fixtures.smollm2 import build_smollm2  # noqa: E402
 from dflash2.hardware import default_cpu_precision  # noqa: E402
 from dflash2.models.config import DFLASH, DFLASH2  # noqa: E402
@@ -100,10 +102,11 @@ def write_draft_configs(args: argparse.Namespace, target_dir: Path, out: Path) -
     return paths
 
 
-def capture_arguments(args: argparse.Namespace, out: Path, draft_config: Path) -> list[str]:
+def capture_arguments(args: argparse.Namespace, out: Path, draft_config: Path, target_dir: Path) -> list[str]:
     """data_prep/regenerate.py's arguments that keep the features of the drafts' target layers (the
     same for both drafts), with the target in `--precision` (the features are stored in it)."""
     arguments = ["--capture-config", CONFIGS["dflash2"], "--features-out", str(out / "features")]
+    arguments += [f"model.target={target_dir}"]
     arguments += [f"data.max_length={args.max_length}", f"output_dir={out / 'capture'}"]
     return arguments + [
         f"model.draft_config={draft_config}",
@@ -215,24 +218,33 @@ def build_data(args: argparse.Namespace, out: Path, stages: Stages) -> tuple[Sou
             args.regen_batch_size,
             args.regen_max_new_tokens,
             threads=None,
-            capture=capture_arguments(args, out, draft_configs["dflash2"]),  # the target in --precision
+            capture=capture_arguments(
+                args, out, draft_configs["dflash2"], sources.target_dir
+            ),  # the target in --precision
         )
     return sources, regen, draft_configs
 
 
 def train_drafts(
-    args: argparse.Namespace, out: Path, regen: Path, draft_configs: dict[str, Path], stages: Stages
+    args: argparse.Namespace,
+    out: Path,
+    regen: Path,
+    draft_configs: dict[str, Path],
+    stages: Stages,
+    target_dir: Path,
 ) -> dict[str, Path]:
     """A DFlash and a DFlash 2 draft with the same budget, on the features kept while regenerating."""
     features = out / "features"
 
     def train(name: str) -> Path:
         overrides = (f"data.features_dir={features}", f"data.max_length={args.max_length}")
+        overrides += (f"model.target={target_dir}",)
         overrides += (f"precision={args.precision}", "model.target_dtype=null")
         # one process each: in fp32 the local backend's plain tensors (FSDP2 over one rank costs
         # 7-16% a step; docs/training.md, "Performance"); bf16 needs FSDP2's mixed precision
         overrides += ("backend=local",) if args.precision == "fp32" else ()
         overrides += (f"model.draft_config={draft_configs[name]}", *args.train)
+        shutil.rmtree(out / name / "export", ignore_errors=True)  # never a stale export of an earlier run
         return demo.train(name, CONFIGS[name], regen, out / name, args.steps, overrides, 1)
 
     if args.reuse_drafts:
@@ -240,6 +252,12 @@ def train_drafts(
         missing = [str(path) for path in exports.values() if not (path / "config.json").is_file()]
         if missing:
             raise SystemExit(f"--reuse-drafts: no trained draft at {', '.join(missing)}; run without it")
+        steps = {name: read_training_run(path).get("step") for name, path in exports.items()}
+        if any(step != args.steps for step in steps.values()):
+            raise SystemExit(
+                f"--reuse-drafts: the drafts there trained {steps} steps, not --steps {args.steps}; pass "
+                "their --steps (and the rest of their recipe) or run without --reuse-drafts"
+            )
         return exports
 
     # One process each, at the same time: on two cores each draft trains on its own core.
@@ -256,9 +274,10 @@ def main(argv: list[str] | None = None) -> int:
     print(apply_budget(args))
     out = (REPO / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").unlink(missing_ok=True)  # a run that stops part-way leaves no earlier summary
     start, stages = time.time(), Stages(total=6)
     sources, regen, draft_configs = build_data(args, out, stages)
-    exports = train_drafts(args, out, regen, draft_configs, stages)
+    exports = train_drafts(args, out, regen, draft_configs, stages, sources.target_dir)
     title = "tau and speedup on the held-out prompts (nothing else running: the speedup is wall clock)"
     with stages.next(title, "evaluate"):
         untrained = demo.export_untrained(out / "untrained" / "export", draft_configs["dflash2"])
@@ -274,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     with stages.next("serving gate: overfit one sample, export, reload, decode", "serving_gate"):
         gate_arguments = ("--max-new-tokens", "64", f"model.draft_config={draft_configs['dflash2']}")
-        gate_arguments += ("precision=fp32", "model.target_dtype=null")
+        gate_arguments += ("precision=fp32", "model.target_dtype=null", f"model.target={sources.target_dir}")
         gate_sources = replace(sources, train_jsonl=regen)
         gate = demo.serving_gate(gate_sources, out, CONFIGS["dflash2"], *gate_arguments, threads=None)
     summary = {
@@ -289,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         "heldout_topics_data": str(sources.topics_jsonl),
         "train_data": str(regen),
         "tensorboard": str(out),
-        "recipe": {k: v for k, v in vars(args).items() if k not in ("out", "target", "reuse_drafts")},
+        "recipe": {k: v for k, v in vars(args).items() if k not in ("out", "target")},
         "stage_times_s": stages.times_s,
         "wall_time_s": round(time.time() - start, 1),
     }

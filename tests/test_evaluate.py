@@ -806,3 +806,25 @@ def test_the_demos_evaluate_each_draft_in_the_precision_asked_and_count_equal_ou
     assert results["tau_untrained"] == fp32["mean_acceptance_length"]
     assert results["tau_dflash2"] == results["tau_untrained"] and results["speedup_dflash2"] > 0
     assert json.loads((tmp_path / "dflash2" / "eval.json").read_text())["step"] == 5
+
+
+def test_a_demo_rerun_resumes_replies_only_of_the_same_settings(tmp_path, capsys):
+    """launch/demo.py: replies regenerated under other settings (a precision, a length limit, other
+    prompts) are moved aside, not trained on beside the new ones; the same settings resume them."""
+    from tests.run_helpers import load_script
+
+    demo = load_script("launch/demo.py")
+    regen = tmp_path / "data" / "train.regenerated.jsonl"
+    regen.parent.mkdir()
+    settings = {"target": "t", "prompts": "p", "max_new_tokens": 128, "dtype": "bfloat16", "capture": []}
+    regen.write_text('{"id": "a"}\n')
+    demo.keep_only_if_same(regen, settings)  # no settings on record (an earlier version): moved aside
+    (aside,) = tmp_path.glob("data/train.regenerated.other-settings-*.jsonl")
+    assert not regen.exists() and aside.read_text() == '{"id": "a"}\n'
+    assert "holds replies of other settings" in capsys.readouterr().out
+    regen.write_text('{"id": "b"}\n')  # a crash part-way: the same settings resume it
+    demo.keep_only_if_same(regen, settings)
+    assert regen.read_text() == '{"id": "b"}\n'
+    aside.unlink()
+    demo.keep_only_if_same(regen, {**settings, "dtype": "float32"})  # another precision: set aside
+    assert not regen.exists() and len(list(tmp_path.glob("data/*.other-settings-*.jsonl"))) == 1
