@@ -440,12 +440,17 @@ def test_token_ids_that_do_not_decode_to_their_reply_are_a_per_line_error(tiny_t
     other = tiny_tokenizer("Something else entirely.", add_special_tokens=False)["input_ids"]
     stale = {"id": "stale", "conversations": [USER, {**REPLY, "token_ids": other}]}
     path = _write_jsonl(tmp_path / "stale.jsonl", [VALID, stale])
-    with pytest.raises(
-        ValueError, match=r"stale.jsonl:2: reply 1: its 'token_ids' do not decode to its content"
-    ):
-        prepare_dataset(path, tiny_tokenizer, max_length=256, on_error="fail")
-    dataset, summary = prepare_dataset(path, tiny_tokenizer, max_length=256, on_error="skip", quiet=True)
-    assert dataset["id"] == ["ok"] and summary["dropped_by_reason"] == {"token_ids_stale": 1}
+    message = r"stale.jsonl:2: reply 1: its 'token_ids' do not decode to its content"
+    assert_second_line_dropped(path, tiny_tokenizer, message, "token_ids_stale")
+
+
+def assert_second_line_dropped(path: Path, tokenizer, message: str, reason: str) -> None:
+    """The file's second line stops the run with `message` (on_error=fail), or is dropped for `reason`
+    while the first (VALID) is kept (on_error=skip)."""
+    with pytest.raises(ValueError, match=message):
+        prepare_dataset(path, tokenizer, max_length=256, on_error="fail")
+    dataset, summary = prepare_dataset(path, tokenizer, max_length=256, on_error="skip", quiet=True)
+    assert dataset["id"] == ["ok"] and summary["dropped_by_reason"] == {reason: 1}
 
 
 def test_a_conversation_the_chat_template_refuses_is_a_per_line_error(tiny_tokenizer, tmp_path):
@@ -459,12 +464,8 @@ def test_a_conversation_the_chat_template_refuses_is_a_per_line_error(tiny_token
     )
     system = {"id": "system", "conversations": [{"role": "system", "content": "Be brief."}, USER, REPLY]}
     path = _write_jsonl(tmp_path / "system.jsonl", [VALID, system])
-    with pytest.raises(
-        ValueError, match=r"system.jsonl:2: the chat template refuses this conversation: System role"
-    ):
-        prepare_dataset(path, tokenizer, max_length=256, on_error="fail")
-    dataset, summary = prepare_dataset(path, tokenizer, max_length=256, on_error="skip", quiet=True)
-    assert dataset["id"] == ["ok"] and summary["dropped_by_reason"] == {"template_error": 1}
+    message = r"system.jsonl:2: the chat template refuses this conversation: System role"
+    assert_second_line_dropped(path, tokenizer, message, "template_error")
 
 
 def test_a_token_id_outside_the_targets_vocabulary_is_refused_naming_the_sample():

@@ -389,14 +389,9 @@ print(scores.dtype, projected[0])
 def test_fsdp2_bf16_keeps_the_selectors_fp32_unary_logits(tmp_path):
     # the objective sums fp32 unary logits with the pair scores (as DeepSpeed's bare selector and one
     # process do); FSDP2's input cast would round them to bf16 in the selector's unit alone
-    script = tmp_path / "dtypes.py"
-    script.write_text(SELECTOR_DTYPES_SCRIPT.format(repo=str(REPO)))
-    result = subprocess.run(
-        [sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
     # the selector's scores in fp32; its own product still computes in bf16 (the unit's parameters)
-    assert result.stdout.split() == ["torch.float32", "torch.bfloat16"], result.stdout
+    printed = run_one_process_script(tmp_path, SELECTOR_DTYPES_SCRIPT)
+    assert printed.split() == ["torch.float32", "torch.bfloat16"], printed
 
 
 DS_COMM_SCRIPT = """
@@ -416,10 +411,16 @@ print(engine.communication_data_type)
 
 def test_deepspeed_bf16_reduces_gradients_in_fp32(tmp_path):
     # as FSDP2's reduce_dtype: without communication_data_type, ZeRO-3 reduces bf16 buckets
-    script = tmp_path / "comm.py"
-    script.write_text(DS_COMM_SCRIPT.format(repo=str(REPO)))
+    printed = run_one_process_script(tmp_path, DS_COMM_SCRIPT)
+    assert printed.split()[-1] == "torch.float32", printed
+
+
+def run_one_process_script(tmp_path: Path, source: str) -> str:
+    """`source` (formatted with the repository's path) run as a plain one-process python script; its stdout."""
+    script = tmp_path / "script.py"
+    script.write_text(source.format(repo=str(REPO)))
     result = subprocess.run(
         [sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=300
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.split()[-1] == "torch.float32", result.stdout
+    return result.stdout
