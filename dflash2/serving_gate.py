@@ -200,6 +200,23 @@ def judge(result: dict) -> None:
             f"target_prefix_match_tokens {result['target_prefix_match_tokens']} < block_size {block_size}"
         )
     result["passed"] = not result["errors"]
+    if not result["passed"]:
+        underfit = overfit_shortfall(result.get("train_final_metrics") or {}, result.get("steps"))
+        result["errors"] += [underfit] if underfit else []
+
+
+def overfit_shortfall(metrics: dict, steps: int | None) -> str | None:
+    """Why a gate failed when training, not serving, fell short: the draft's own in-sample acceptance
+    (the selector's walk for DFlash 2) at the last step was below what its sample allows."""
+    reached = metrics.get("insample_accept_len_selector", metrics.get("insample_accept_len"))
+    possible = metrics.get("insample_accept_len_max")
+    if reached is None or possible is None or reached >= possible - 1e-3:
+        return None
+    return (
+        f"the overfit did not memorise its sample: in-sample acceptance {reached:.2f} of a possible "
+        f"{possible:.2f} after {steps} steps (loss {metrics.get('loss', float('nan')):.3f}), so the decode "
+        f"could not reach the block either; this says nothing of the serving path: rerun with --steps {2 * (steps or 60)}"
+    )
 
 
 def _timed(result: dict, stage: str, fn, *args):

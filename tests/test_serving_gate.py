@@ -190,3 +190,27 @@ def test_the_gate_trains_in_one_process_with_the_backend_that_takes_its_precisio
     # the user's choice stands
     overrides = train_overrides(tmp_path / "gate", tmp_path / "d.jsonl", 60, 1, ["backend=deepspeed"], "fp32")
     assert load_run_config(config, overrides).backend == "deepspeed"
+
+
+def test_a_gate_that_failed_because_its_overfit_fell_short_says_so():
+    # seen on SmolLM2: 60 steps left one sample at in-sample acceptance 3.36 of 3.98 (loss 1.07);
+    # the decode then accepted 3.00 of 4: the gate fails, naming the steps rather than serving
+    from dflash2.serving_gate import judge
+
+    def result(insample: float) -> dict:
+        metrics = {"insample_accept_len_selector": insample, "insample_accept_len_max": 3.983, "loss": 1.066}
+        return {
+            "block_size": 4, "acceptance_lengths": [4, 3], "spec_accept_length": 3.0, "steps": 60,
+            "target_prefix_match_tokens": 8, "errors": [], "train_final_metrics": metrics,
+        }  # fmt: skip
+
+    short = result(3.362)
+    judge(short)
+    assert not short["passed"] and short["errors"][0] == "spec_accept_length 3.000 < block_size 4"
+    assert short["errors"][1].startswith(
+        "the overfit did not memorise its sample: in-sample acceptance 3.36 of a possible 3.98 after 60 steps"
+    )
+    assert short["errors"][1].endswith("rerun with --steps 120")
+    memorised = result(3.983)  # trained to its sample: a serving failure, nothing added
+    judge(memorised)
+    assert memorised["errors"] == ["spec_accept_length 3.000 < block_size 4"]
