@@ -122,9 +122,8 @@ def regenerate(
     regen = out / "data" / "train.regenerated.jsonl"
     subset = out / "data" / "train.subset.jsonl"
     subset.parent.mkdir(parents=True, exist_ok=True)
-    lines = (
-        Path(tiny.train_jsonl).read_text().rstrip("\n").split("\n")[:num_samples]
-    )  # no str.splitlines: U+2028
+    # split on "\n" only: str.splitlines also splits on U+2028, which a record may hold unescaped
+    lines = Path(tiny.train_jsonl).read_text().rstrip("\n").split("\n")[:num_samples]
     subset.write_text("\n".join(lines) + "\n")
     settings = {
         "target": read_stamp(Path(tiny.target_dir).parent) or target_identity(tiny.target_dir),

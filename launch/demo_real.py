@@ -218,9 +218,8 @@ def build_data(args: argparse.Namespace, out: Path, stages: Stages) -> tuple[Sou
             args.regen_batch_size,
             args.regen_max_new_tokens,
             threads=None,
-            capture=capture_arguments(
-                args, out, draft_configs["dflash2"], sources.target_dir
-            ),  # the target in --precision
+            # the target in --precision
+            capture=capture_arguments(args, out, draft_configs["dflash2"], sources.target_dir),
         )
     return sources, regen, draft_configs
 

@@ -209,7 +209,6 @@ def test_features_without_the_last_hidden_state_train_ce_only_and_refuse_kl(
     [
         ("data.max_length=80", "max_length"),
         ("data.chat_template_kwargs={x: 1}", "chat_template_kwargs"),
-        ("data.duplicates=drop", "data.duplicates"),
     ],
 )
 def test_a_manifest_of_another_setup_is_refused_with_the_fix(features_dir, overrides, override, field):
@@ -232,8 +231,9 @@ def test_features_of_another_target_dtype_are_refused_with_the_fix(features_dir,
 
 
 def test_features_of_other_samples_are_refused_with_the_fix(features_dir, overrides, tiny_tokenizer):
-    # a manifest written before it recorded data.duplicates, read by a run whose data keeps other
-    # conversations: every index after the first difference would read another sample's features
+    # a run whose data settings keep other conversations than at capture (data.duplicates=drop on
+    # data with a duplicate, data.on_error): every index after the first difference would read
+    # another sample's features
     from datasets import Dataset
 
     from dflash2.data.prepare import prepare_dataset

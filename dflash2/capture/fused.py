@@ -36,11 +36,10 @@ STAGED_GLOB = "fused-*.safetensors"
 
 
 def regeneration_stamp(cfg: RunConfig, layer_ids: list[int], identity: RunIdentity) -> dict:
-    """What staged features are features of: feature_identity less the data, max_length and the
-    duplicates policy (staged features are keyed by sample id; the finish checks each sample's token
-    ids against the prepared data instead)."""
+    """What staged features are features of: feature_identity less the data and max_length (the
+    finish checks each sample's token ids against the prepared data instead)."""
     stamp = feature_identity(cfg, layer_ids, identity)
-    return {key: value for key, value in stamp.items() if key not in ("data", "max_length", "duplicates")}
+    return {key: value for key, value in stamp.items() if key not in ("data", "max_length")}
 
 
 class StagedFeatures:

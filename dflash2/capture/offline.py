@@ -53,7 +53,6 @@ def feature_identity(cfg: RunConfig, layer_ids: list[int], identity: RunIdentity
         "max_length": cfg.data.max_length,
         "target_layer_ids": [int(i) for i in layer_ids],
         "dtype": DTYPE_NAMES[cfg.target_torch_dtype],  # the target ran (and the features are stored) in it
-        "duplicates": cfg.data.duplicates,  # which conversations are samples, so which index is which
     }
 
 
@@ -253,13 +252,6 @@ class OfflineFeatures:
                 raise ValueError(
                     _mismatch_message(self.features_dir, field, self.manifest.get(field), expected[field])
                 )
-        saved_duplicates = self.manifest.get("duplicates")  # absent from manifests written before it
-        if saved_duplicates is not None and saved_duplicates != expected["duplicates"]:
-            raise ValueError(
-                _mismatch_message(
-                    self.features_dir, "data.duplicates", saved_duplicates, expected["duplicates"]
-                )
-            )
         self._check_dtype(expected["dtype"])
         self.num_samples = int(self.manifest["num_samples"])
         self.feature_dim = int(self.manifest["feature_dim"])
