@@ -45,6 +45,7 @@ COMPLETE = "COMPLETE"
 STEP_PREFIX = "step_"
 STEP_DIR = re.compile(r"step_(\d+)")
 TMP_PREFIX = ".tmp-"
+SET_ASIDE = "set_aside"  # checkpoints of another run a launch replaced (save_checkpoint)
 DRAFT_WEIGHTS = "draft.safetensors"
 DRAFT_CONFIG = "draft_config.json"
 CONTRACT = "contract.json"
@@ -271,12 +272,17 @@ def save_checkpoint(
     train_state: dict,
     keep_last: int,
     generators: dict[str, torch.Generator] | None = None,
+    set_aside_after: int | None = None,
 ) -> Path:
     """Write checkpoint `step` (collective: every rank calls it); returns its final directory.
 
     `train_state` is JSON the loop needs to continue (epoch, batch position in the epoch, ...); the
     global step is stored with it. `generators` are named torch generators the loop draws from
-    (e.g. anchor sampling), saved per rank beside the global RNG states.
+    (e.g. anchor sampling), saved per rank beside the global RNG states. `set_aside_after`: the step
+    a launch started from, passed with its first save: the complete checkpoints of later steps are
+    another run's (one this launch replaces) and are moved to `checkpoints/set_aside/`, so that
+    neither `latest` nor the rotation mixes the two runs. A complete checkpoint of this very step
+    is always set aside, never deleted.
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
@@ -310,15 +316,56 @@ def save_checkpoint(
         with _cleanup_on_write_error(backend, root, final, tmp):
             _fsync_write(tmp / COMPLETE, json.dumps({"step": step, "world_size": backend.world_size}))
             _fsync(tmp)
-            if final.exists():  # the same step saved again (e.g. after a resume): replace it
-                _remove_checkpoint(final)
-            os.rename(tmp, final)
+            moved = _set_aside(root, step, set_aside_after)
+            try:
+                if final.exists():  # a partial directory of this step (a complete one was set aside)
+                    _remove_checkpoint(final)
+                os.rename(tmp, final)
+            except OSError:
+                for place, aside in moved:  # back where `latest` and a resume find them
+                    os.rename(aside, place)
+                raise
         with _cleanup_on_write_error(backend, root, final, final):
             _fsync(root)
             _write_latest(root, final.name)
         _rotate(root, keep_last, keep=final.name)
+        if moved:
+            print(
+                f"[dflash2] set aside {len(moved)} checkpoint(s) of another run, of steps after this "
+                f"launch's start, so that they are neither resumed nor rotated with this run's: "
+                f"{', '.join(str(aside) for _, aside in moved)}. Resume one with train.resume=<its directory>, "
+                "or delete them.",
+                flush=True,
+            )
     backend.barrier()
     return final
+
+
+def _set_aside(root: Path, step: int, after: int | None) -> list[tuple[Path, Path]]:
+    """Move the complete checkpoints of `step`, and of every step after `after` (None: none), to
+    `root/set_aside/` (a name taken there gets a suffix); returns (where it was, where it went) of
+    each. Each move is one rename: nothing is copied, and a crash between two moves leaves every
+    checkpoint complete in one place or the other."""
+    later = [
+        path
+        for path in _complete_step_dirs(root)
+        if (n := int(STEP_DIR.fullmatch(path.name)[1])) == step or (after is not None and n > after)
+    ]
+    if not later:
+        return []
+    aside = root / SET_ASIDE
+    aside.mkdir(exist_ok=True)
+    moved = []
+    for path in later:
+        dest, n = aside / path.name, 1
+        while dest.exists():
+            n += 1
+            dest = aside / f"{path.name}-{n}"
+        os.rename(path, dest)
+        moved.append((path, dest))
+    _fsync(aside)
+    _fsync(root)
+    return moved
 
 
 @contextmanager

@@ -245,7 +245,9 @@ def all_reduce_metrics(backend: Backend, sums: dict[str, torch.Tensor]) -> dict[
 # ------------------------------------------------------------------ loop
 
 
-def save(setup: Setup, state: TrainState) -> Path:
+def save(setup: Setup, state: TrainState, start: int | None) -> Path:
+    """Checkpoint `state`; `start`: the step this launch started from, with its first save (the
+    checkpoints of later steps in the run directory are then another run's, and are set aside)."""
     with collective_section(f"saving the checkpoint of step {state.step}"):
         return save_checkpoint(
             setup.backend,
@@ -255,6 +257,7 @@ def save(setup: Setup, state: TrainState) -> Path:
             contract=setup.contract,
             train_state=vars(state),
             keep_last=setup.cfg.train.keep_last,
+            set_aside_after=start,
         )
 
 
@@ -297,6 +300,7 @@ def _fit(setup: Setup, timer: StepTimer | None, stop_vote: Callable[[], bool] | 
     steps = step_batches(*order, backend.draft_world_size, epoch=state.epoch, start_step=state.step_in_epoch)
     summary: dict[str, float] = {}
     saved, saved_step = setup.plan.resume_from, state.step
+    start = state.step  # until this launch's first save, saved_step == start
     while state.step < t.last_step:
         with collective_section(f"the stop vote before step {state.step + 1}"):
             if stop_request.agreed(backend, stop_vote() if stop_vote else None):
@@ -311,10 +315,10 @@ def _fit(setup: Setup, timer: StepTimer | None, stop_vote: Callable[[], bool] | 
         summary = setup.objective.summarize(sums)
         logger.log(state.step, summary, sums, timing, timer.step_seconds())
         if t.save_every and state.step % t.save_every == 0 and state.step < t.last_step:
-            saved, saved_step = save(setup, state), state.step
+            saved, saved_step = save(setup, state, start if saved_step == start else None), state.step
     timer.finish()
     if state.step > saved_step:  # nothing new to save when a stop came before this launch's first step
-        saved = save(setup, state)
+        saved = save(setup, state, start if saved_step == start else None)
     _finish(setup, state, saved, logger)
     return summary
 

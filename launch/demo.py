@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -73,7 +74,9 @@ def train(
     overrides: tuple[str, ...] = ("backend=deepspeed", "train.global_batch_size=16"),  # 8 x 2 processes
     num_processes: int = 2,
 ) -> Path:
-    """Train one draft through launch/train.py (`num_processes` under torchrun, or one plain process)."""
+    """Train one draft through launch/train.py (`num_processes` under torchrun, or one plain process),
+    from step 0: the checkpoints of an earlier demo in `out` go first (a fresh run would set them aside)."""
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"]
     launcher = [*torchrun, str(num_processes)] if num_processes > 1 else [sys.executable]
     run(

@@ -144,6 +144,51 @@ def test_resave_after_crash_replaces_leftover_tmp(tmp_path):
     assert not (ckpt / "junk").exists()
 
 
+def test_a_fresh_run_sets_aside_another_runs_later_checkpoints(tmp_path, capsys):
+    root = tmp_path / "checkpoints"
+    for step in (2, 4, 6):  # another run's, in the same directory
+        save(FakeBackend(weight=float(step)), tmp_path, step)
+    # a launch that started at step 0 (resume=none) saves step 2 first, then 4 and 6
+    save(FakeBackend(weight=-2.0), tmp_path, 2, keep_last=2, set_aside_after=0)
+    assert "set aside 3 checkpoint(s) of another run" in capsys.readouterr().out
+    assert find_latest(tmp_path) == root / "step_00000002"
+    for step in (4, 6):
+        save(FakeBackend(weight=-float(step)), tmp_path, step, keep_last=2)
+    # the rotation kept this run's last two; none of the other run's was deleted or resumed
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000004", "step_00000006"]
+    assert load_file(str(find_latest(tmp_path) / "draft.safetensors"))["layer.weight"][0, 0] == -6.0
+    aside = root / "set_aside"
+    assert sorted(p.name for p in aside.iterdir()) == ["step_00000002", "step_00000004", "step_00000006"]
+    for step in (2, 4, 6):
+        kept = aside / f"step_{step:08d}"
+        assert (kept / "COMPLETE").is_file()
+        assert load_file(str(kept / "draft.safetensors"))["layer.weight"][0, 0] == float(step)
+    # a launch resumed at step 4 sets aside only the later step 6, under a free name
+    save(FakeBackend(weight=5.0), tmp_path, 5, set_aside_after=4)
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000004", "step_00000005"]
+    assert (aside / "step_00000006-2" / "COMPLETE").is_file()
+
+
+def test_saving_a_step_again_keeps_the_first_copy_when_the_rename_fails(tmp_path, monkeypatch):
+    import dflash2.checkpoint as checkpoint
+
+    first = save(FakeBackend(weight=1.0), tmp_path, 3)
+    rename = os.rename
+
+    def failing(src, dst):
+        if Path(src).name.startswith(".tmp-"):
+            raise OSError(errno.EIO, "Input/output error")
+        rename(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "rename", failing)
+    with pytest.raises(CheckpointWriteError):
+        save(FakeBackend(weight=2.0), tmp_path, 3)
+    # before: deleted, then the rename failed; now back in place, still the one `latest` names
+    assert find_latest(tmp_path) == first and (first / "COMPLETE").is_file()
+    assert load_file(str(first / "draft.safetensors"))["layer.weight"][0, 0] == 1.0
+    assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
+
+
 def test_load_restores_rng_generators_and_backend_state(tmp_path):
     generator = torch.Generator().manual_seed(11)
     torch.manual_seed(1)

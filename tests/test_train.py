@@ -13,7 +13,7 @@ import pytest
 from safetensors.torch import load_file
 
 from dflash2.export import check_export
-from tests.run_helpers import check_ok, launch_train, metrics, tiny_subset
+from tests.run_helpers import check_ok, launch_train, metrics, short_tiny_run, tiny_subset
 
 
 @pytest.fixture(scope="module")
@@ -125,6 +125,24 @@ def test_resume_is_exact_and_contract_changes_are_refused(common, tmp_path):
     output = refused.stderr + refused.stdout
     assert re.search(r"num_anchors.*8.*9", output), refused.stderr[-2000:]
     assert "chat_template_kwargs: saved {}, new {'enable_thinking': False}" in output, refused.stderr[-2000:]
+
+
+def test_a_fresh_run_in_a_used_directory_sets_the_other_runs_checkpoints_aside(tiny_default, tmp_path):
+    """train.resume=none where an earlier run left steps 4 and 6: the new run's first save moves them
+    to checkpoints/set_aside/ (they were replaced and rotated by step number beside the new run's)."""
+    overrides = ["backend=local", "train.save_every=2", "train.keep_last=2"]
+    short_tiny_run(tiny_default, tmp_path, *overrides, steps=6)
+    root = tmp_path / "run" / "checkpoints"
+    before = {step: load_file(root / f"step_{step:08d}" / "draft.safetensors") for step in (4, 6)}
+    result, _ = short_tiny_run(tiny_default, tmp_path, *overrides, "train.resume=none", "seed=1", steps=4)
+    assert "set aside 2 checkpoint(s) of another run" in result.stdout
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000002", "step_00000004"]
+    assert (root / "latest").read_text().strip() == "step_00000004"
+    for step in (4, 6):
+        kept = load_file(root / "set_aside" / f"step_{step:08d}" / "draft.safetensors")
+        assert all(kept[k].equal(before[step][k]) for k in kept)
+    new = load_file(root / "step_00000004" / "draft.safetensors")
+    assert not all(new[k].equal(before[4][k]) for k in new)  # seed 1: another run's weights
 
 
 @pytest.mark.slow
