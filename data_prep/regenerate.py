@@ -76,12 +76,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _local_target(args: argparse.Namespace, dtype):
     import torch
-    from transformers import AutoModelForCausalLM
 
     from dflash2.hardware import warn_if_slow_bf16
+    from dflash2.target.load import load_pretrained_target
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = AutoModelForCausalLM.from_pretrained(args.target, dtype=dtype).to(device).eval()
+    model = load_pretrained_target(args.target, dtype).to(device).eval()
     warn_if_slow_bf16(torch.device(device), model.dtype)
     return model
 

@@ -21,6 +21,8 @@ def torch_dtype(precision: Precision):
     """The torch dtype of a precision name of this config."""
     import torch
 
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision {precision!r}: give one of {', '.join(PRECISIONS)}")
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[precision]
 
 
@@ -267,6 +269,8 @@ def apply_override(tree: dict, dotted: str) -> None:
 
 def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
     """Read the YAML, apply overrides, validate. Every problem is reported with its dotted key."""
+    if isinstance(overrides, str):
+        raise ValueError(f"overrides: give a list of key=value strings, e.g. [{overrides!r}], not one string")
     tree: dict = {}
     if path is not None:
         require_path(path, "config", "file", "the run config YAML")
@@ -328,6 +332,17 @@ def check_run_paths(cfg: RunConfig) -> None:
     """Every local path a run reads, checked before anything loads (run from the directory the
     config's relative paths start from, usually the repository root)."""
     check_model_paths(cfg)
+    check_data_paths(cfg)
+    for key, what in BACKENDS[cfg.backend].files:
+        require_path(getattr(cfg, key), key, "file", what)
+    if cfg.train.resume not in ("auto", "none"):
+        require_path(cfg.train.resume, "train.resume", "dir", "a checkpoint directory, auto or none")
+    if Path(cfg.output_dir).exists() and not Path(cfg.output_dir).is_dir():
+        raise ValueError(f"output_dir={cfg.output_dir!r} is a file: give a directory for the run")
+
+
+def check_data_paths(cfg: RunConfig) -> None:
+    """data.train and data.features_dir, checked before anything loads."""
     train = Path(cfg.data.train)
     if train.is_dir() and not (train / "dataset_info.json").is_file():
         raise ValueError(
@@ -340,12 +355,6 @@ def check_run_paths(cfg: RunConfig) -> None:
             raise ValueError(f"data.train={cfg.data.train!r} is empty: give a file with conversations")
     if cfg.data.features_dir:
         require_path(cfg.data.features_dir, "data.features_dir", "dir", "a directory made by capture.py")
-    for key, what in BACKENDS[cfg.backend].files:
-        require_path(getattr(cfg, key), key, "file", what)
-    if cfg.train.resume not in ("auto", "none"):
-        require_path(cfg.train.resume, "train.resume", "dir", "a checkpoint directory, auto or none")
-    if Path(cfg.output_dir).exists() and not Path(cfg.output_dir).is_dir():
-        raise ValueError(f"output_dir={cfg.output_dir!r} is a file: give a directory for the run")
 
 
 def save_run_config(cfg: RunConfig, path: str | Path) -> None:

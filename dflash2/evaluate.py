@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dflash2.checkpoint import holds_draft
 from dflash2.config import PRECISIONS, require_path, torch_dtype
 from dflash2.data.jsonl import SampleError, iter_lines, parse_sample, prompt_turns
 from dflash2.data.render import encode_prompt, stop_token_ids
@@ -41,6 +42,7 @@ from dflash2.export import TRAINING_RUN_NAME, read_training_run
 from dflash2.hardware import warn_if_slow_bf16
 from dflash2.models import TargetHead, load_draft
 from dflash2.models.draft import DFlashDraftModel
+from dflash2.target.load import load_pretrained_target
 from dflash2.target.state import use_decoding_layout
 
 # ------------------------------------------------------------------ prompts
@@ -378,10 +380,10 @@ def load_models(
 
 def load_target(target_dir: str | Path, device: str = "cpu", dtype=torch.float32):
     """(target, head, tokenizer): the target in eval mode and its LM head, in `dtype`."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).to(device).eval()
+    target = load_pretrained_target(target_dir, dtype).to(device).eval()
     return target, TargetHead.from_target(target, dtype=dtype), tokenizer
 
 
@@ -463,9 +465,13 @@ def evaluate_drafts(
     """`evaluate` for several exports of one target in one process (`compare_drafts`): the target
     loaded once, every prompt decoded by the target alone once and by each draft. One summary per
     draft, in order; `out_jsons`, `tb_dirs`, `plot_paths`: one path per draft each, or None. The
-    drafts' prompts must render alike: their training runs' chat_template_kwargs (or the one given)."""
+    drafts' prompts must render alike: their training runs' chat_template_kwargs (or the one given).
+    Seeds torch's global RNG with `seed` (sampling at a temperature above 0)."""
     if num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    if isinstance(draft_dirs, (str, Path)):
+        raise ValueError(f"draft_dirs: give a list of export directories, e.g. [{str(draft_dirs)!r}]")
+    check_inputs(draft_dirs, target_dir, data_jsonl)
     outputs = {"--out": out_jsons, "--tb-dir": tb_dirs, "--plot": plot_paths}
     settings = drafts_settings(draft_dirs, chat_template_kwargs, outputs)
     torch.manual_seed(seed)
@@ -588,12 +594,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_inputs(draft_dirs: Sequence[str | Path], target_dir: str | Path, data_jsonl: str | Path) -> None:
+    """Every path evaluation reads, before anything loads (named as the command line's options)."""
+    for draft in draft_dirs:
+        require_path(draft, "--draft", "dir", "an export directory (config.json + model.safetensors)")
+        if holds_draft(Path(draft)):
+            raise ValueError(
+                f"--draft {draft} is a training checkpoint, not an export: write its export with "
+                f"`python -m dflash2.export {draft} <out>` and evaluate <out>"
+            )
+    require_path(target_dir, "--target", "dir", "the target's local model directory")
+    require_path(data_jsonl, "--data", "file", "a training_jsonl file")
+
+
 def main(argv: Sequence[str] | None = None) -> list[dict]:
     args = build_parser().parse_args(argv)
-    for draft in args.draft:
-        require_path(draft, "--draft", "dir", "an export directory (config.json + model.safetensors)")
-    require_path(args.target, "--target", "dir", "the target's local model directory")
-    require_path(args.data, "--data", "file", "a training_jsonl file")
     summaries = evaluate_drafts(
         args.draft,
         args.target,

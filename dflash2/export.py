@@ -175,7 +175,9 @@ def _dtype_problems(meta: dict[str, tuple[tuple[int, ...], str]], cfg: dict) -> 
 
 
 def check_export(path: str | Path, *, tokenizer: Any = None, target_config: Any = None) -> list[str]:
-    """Every problem of an export directory (ours or a third party's); an empty list means servable."""
+    """Every problem of an export directory (ours or a third party's); an empty list means servable.
+    `tokenizer` (a tokenizer or its directory) and `target_config` (a config or its path) add the checks
+    against the target."""
     path = Path(path)
     if holds_draft(path):
         return [

@@ -576,12 +576,20 @@ def compute_objective(
     selector: nn.Module | None = None,
 ) -> ObjectiveOutput:
     """batch: input_ids [b, S], loss_mask and attention_mask [b, S], features [b, S, K*H] (target
-    hidden states).
+    hidden states), and target_last_hidden [b, S, H] (the target's final-normed last hidden state)
+    when the objective needs the teacher (`cfg.needs_teacher`: a KL or TV weight, or `labels:
+    target`); `dflash2.capture.features.split_last_hidden` cuts a capture into the last two.
 
     `draft` is called like the draft (a sharding wrapper may stand for it); `selector`: its candidate
     selector (default: `draft.candidate_selector`, none for v1). Everything else the objective needs is
     in `cfg`. `blocks` (from plan_blocks) is sampled here with `generator` when not given.
     """
+    if cfg.needs_teacher and "target_last_hidden" not in batch:
+        raise ValueError(
+            "this objective needs the teacher (a KL or TV weight, or labels: target): put the target's "
+            "last hidden state in batch['target_last_hidden'] (dflash2.capture.features.split_last_hidden "
+            "cuts it from a capture with last_hidden=True)"
+        )
     input_ids = batch["input_ids"]
     if blocks is None:
         blocks = plan_blocks(input_ids, supervised_mask(batch, cfg), cfg, generator, head.loss_vocab)

@@ -250,7 +250,10 @@ def logits_item(cfg: RunConfig, vocab_size: int, supervised_rows: int) -> Item:
 
 
 def plan_run(cfg: RunConfig, *, world_size: int, target_config, device_gb: float = 80.0) -> Plan:
-    """Per-role memory of `cfg` on `world_size` ranks. Disaggregated runs have two roles."""
+    """Per-role memory of `cfg` on `world_size` ranks. Disaggregated runs have two roles.
+    `target_config`: a transformers config, or the path of a config.json or of a directory holding one."""
+    if isinstance(target_config, (str, Path)):
+        target_config = load_target_config(target_config)
     if world_size < 1:
         raise ValueError(f"--world-size must be >= 1, got {world_size}")
     if BACKENDS[cfg.backend].one_process and world_size != 1:

@@ -32,7 +32,13 @@ from dflash2.capture.transfer import FeatureReceiver, FeatureSender, capture_sch
 from dflash2.config import RunConfig, save_run_config
 from dflash2.data.loader import step_batches
 from dflash2.data.regenerate import LocalTargetGenerator, regenerate_file
-from dflash2.distributed import Backend, backend_class, init_distributed, shutdown_distributed
+from dflash2.distributed import (
+    Backend,
+    backend_class,
+    end_one_process_world,
+    init_distributed,
+    shutdown_distributed,
+)
 from dflash2.faults import collective_section, collective_timeout, stop_request
 from dflash2.hardware import warn_if_slow_bf16
 from dflash2.identity import data_identity
@@ -48,10 +54,11 @@ def run(cfg: RunConfig) -> dict[str, float]:
     """Train with the topology the config names (every rank calls it); returns the last step's metrics
     ({} on capture ranks). `stop_request.stopped` tells whether it ended early on a stop signal
     (launch/train.py installs the stop signals' handlers)."""
-    if cfg.topology == "disaggregated":
-        summary = run_disaggregated(cfg)
-    else:
-        summary = run_colocated(cfg)
+    try:
+        summary = run_disaggregated(cfg) if cfg.topology == "disaggregated" else run_colocated(cfg)
+    except BaseException:
+        end_one_process_world()  # a plain `python` run: no group or launcher variables left behind
+        raise
     shutdown_distributed()
     return summary
 

@@ -17,7 +17,7 @@ import datasets
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from dflash2.checkpoint import TrainState, read_train_state, resume_point, run_contract
-from dflash2.config import RunConfig
+from dflash2.config import RunConfig, check_data_paths, check_model_paths
 from dflash2.data.loader import pad_token_id_of
 from dflash2.data.prepare import build_dataset, check_token_ids_in_vocab
 from dflash2.identity import RunIdentity
@@ -84,9 +84,16 @@ def build_contract(
 
 
 def resolve_run(cfg: RunConfig, data_parallel_size: int = 1) -> RunPlan:
-    """The plan of run `cfg` with `data_parallel_size` ranks training the draft (file reads only)."""
+    """The plan of run `cfg` (a RunConfig: `load_run_config(path, overrides)`) with `data_parallel_size`
+    ranks training the draft (file reads only; the paths it reads are checked first)."""
     from transformers import AutoConfig, AutoTokenizer
 
+    if not isinstance(cfg, RunConfig):
+        raise ValueError(
+            f"resolve_run takes a RunConfig, not {type(cfg).__name__}: pass load_run_config(path)"
+        )
+    check_model_paths(cfg)
+    check_data_paths(cfg)
     cfg = cfg.with_batch_layout(data_parallel_size)
     target_config = AutoConfig.from_pretrained(cfg.model.target)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.target)

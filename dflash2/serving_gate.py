@@ -39,6 +39,7 @@ from dflash2.errors import add_debug_flag, exit_process, run_main
 from dflash2.export import read_training_run
 from dflash2.models import TargetHead, load_draft
 from dflash2.run import run
+from dflash2.target.load import load_pretrained_target
 from dflash2.target.recorded_generate import common_prefix
 
 GATE_DIR_NAME = "serving_gate"
@@ -289,12 +290,12 @@ def run_stages(
 ) -> None:
     """Regenerate -> train -> decode, each stage timed into `result`, the decode fields merged in.
     `base` is the user's run config; the gate trains with its own overrides on top (train_overrides)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     gate_dir = Path(base.output_dir) / GATE_DIR_NAME
     template_kwargs = base.data.chat_template_kwargs
     tokenizer = AutoTokenizer.from_pretrained(base.model.target)
-    target = AutoModelForCausalLM.from_pretrained(base.model.target, dtype=torch.float32).eval()
+    target = load_pretrained_target(base.model.target, torch.float32).eval()
     regenerate = (samples, target, tokenizer, max_new_tokens, template_kwargs)
     samples = _timed(result, "regenerate", regenerate_samples, *regenerate)
     data_path = gate_dir / DATA_NAME

@@ -101,6 +101,11 @@ class StepTimer:
         self.finish()
         self._step = _Step(*self._now())
 
+    @property
+    def started(self) -> bool:
+        """Whether a step is open (start_step() ran and finish() did not since)."""
+        return self._step is not None
+
     def step_seconds(self) -> float:
         """Wall seconds since start_step(); recorded as the step's `step` time."""
         assert self._step is not None, "start_step() first"

@@ -47,6 +47,7 @@ class Setup:
     dataset: datasets.Dataset  # input_ids, loss_mask
     target: nn.Module | None = None  # None: features from disk or from capture ranks
     features: FeatureSource | None = None  # OfflineFeatures or the capture ranks' FeatureReceiver
+    fitted: bool = False  # `fit` ran on it: its draft, optimizer and schedule are past the resume point
 
     @property
     def cfg(self) -> RunConfig:
@@ -110,8 +111,11 @@ def offline_features(plan: RunPlan) -> OfflineFeatures | None:
 def build_setup(plan: RunPlan, backend: Backend, features: FeatureSource | None = None) -> Setup:
     """`features`: where the step gets features, when not from the config (the disaggregated
     trainers pass the capture ranks' receiver); None: as the config says, the offline features of
-    data.features_dir when it is set, else the step runs the target itself (online capture)."""
+    data.features_dir when it is set, else the step runs the target itself (online capture).
+    `backend` is built for the plan's batch layout (`LocalBackend.from_run_config(plan.config)`).
+    Seeds torch's global RNG with the run's seed (the draft's initialisation), as a launch does."""
     cfg = plan.config
+    check_batch_layout(backend, cfg)
     if features is None:
         features = offline_features(plan)
     warn_if_slow_bf16(
@@ -134,6 +138,18 @@ def build_setup(plan: RunPlan, backend: Backend, features: FeatureSource | None 
         restrict_loss_vocab(head, dataset, plan.objective, backend.is_main)
     model = backend.setup_draft(draft, cfg.train, cfg.precision)
     return Setup(plan, backend, model, draft_config, head, dataset, target=target, features=features)
+
+
+def check_batch_layout(backend: Backend, cfg: RunConfig) -> None:
+    """The backend steps the optimizer after as many micro-batches of the size the run loads."""
+    t = cfg.train
+    built = (getattr(backend, "micro_batch_size", None), getattr(backend, "grad_accum_steps", None))
+    if built != (t.micro_batch_size, t.grad_accum_steps):
+        raise ValueError(
+            f"the backend was built for micro-batch {built[0]} x {built[1]} accumulation steps, the run "
+            f"is {t.micro_batch_size} x {t.grad_accum_steps}: build it from the plan's config, e.g. "
+            "dflash2.LocalBackend.from_run_config(plan.config)"
+        )
 
 
 def restrict_loss_vocab(head: TargetHead, dataset, objective: ObjectiveConfig, is_main: bool) -> None:
@@ -198,7 +214,12 @@ def add_features(setup: Setup, batch: dict, captured: torch.Tensor) -> None:
 def train_step(setup: Setup, step: StepBatch, timer: StepTimer) -> tuple[dict, dict]:
     """One optimizer step over its `grad_accum_steps` micro-batches. Returns (metric sums reduced over
     ranks, timings). The loss is normalised by the global weight sum of the whole step. `timer` has
-    started the step; its regions are free unless timed (dflash2.timing)."""
+    started the step (`timer.start_step()`); its regions are free unless timed (dflash2.timing).
+    `step` is one item of `dflash2.data.loader.step_batches`, as `fit` draws them."""
+    if not timer.started:  # checked before anything moves: the end of the step reads the timer
+        raise ValueError(
+            "start the timer's step first: timer.start_step(), then train_step(setup, step, timer)"
+        )
     backend, seed = setup.backend, setup.cfg.seed
     batches = [load_batch(setup, idx) for idx in step.micro]
     plans = [
@@ -261,6 +282,11 @@ def save(setup: Setup, state: TrainState, start: int | None) -> Path:
         )
 
 
+def flushing_subnormals() -> bool:
+    """Whether this process's CPU now flushes subnormal floats to zero (torch has no getter)."""
+    return (torch.tensor([1e-39], dtype=torch.float32) * 1.0).item() == 0.0
+
+
 @contextmanager
 def subnormals_flushed(device: torch.device) -> Iterator[None]:
     """On a CPU, flush subnormal floats (below 1.2e-38 in fp32) to zero inside the block.
@@ -268,14 +294,18 @@ def subnormals_flushed(device: torch.device) -> Iterator[None]:
     The softmax tails of the chunked loss and the gradients they make are full of them, and a CPU
     computes on a subnormal dozens of times slower: flushing them took 15% off a SmolLM2 DFlash 2
     step (docs/training.md, "bf16 on a CPU"). Values that small change no loss and no update in a visible digit.
-    The flag is per process and restored to off afterwards. A GPU is left as it is."""
-    if device.type != "cpu" or not torch.set_flush_denormal(True):
+    The flag is per process and restored afterwards to what it was. A GPU is left as it is."""
+    if device.type != "cpu":
+        yield
+        return
+    before = flushing_subnormals()
+    if not torch.set_flush_denormal(True):
         yield
         return
     try:
         yield
     finally:
-        torch.set_flush_denormal(False)
+        torch.set_flush_denormal(before)
 
 
 def fit(
@@ -286,7 +316,18 @@ def fit(
     `timer`: how steps are timed (default: each step and its capture, dflash2.timing);
     benchmarks/pipeline.py passes one that times every region. `stop_vote`: this rank's vote in the
     stop decision (default: whether it received a stop signal). On a CPU the steps run with
-    subnormals flushed to zero (`subnormals_flushed`)."""
+    subnormals flushed to zero (`subnormals_flushed`).
+
+    Returns the last step's metrics (`loss`, `insample_accept_len`, ...), or `{}` when the run had
+    no step left to take (it had reached train.max_steps). A Setup is fitted once: to go on, build
+    another from `resolve_run` (train.resume=auto continues from the checkpoint this one wrote)."""
+    if setup.fitted:
+        raise ValueError(
+            "this Setup was fitted already: its draft, optimizer and schedule are past its resume point. "
+            "Call dflash2.resolve_run and dflash2.build_setup again (train.resume=auto continues from "
+            "the latest checkpoint)"
+        )
+    setup.fitted = True
     with subnormals_flushed(setup.backend.device):
         return _fit(setup, timer, stop_vote)
 
@@ -294,6 +335,7 @@ def fit(
 def _fit(setup: Setup, timer: StepTimer | None, stop_vote: Callable[[], bool] | None) -> dict[str, float]:
     backend, t = setup.backend, setup.cfg.train
     timer = timer or StepTimer(backend.device)
+    stop_request.stopped = False  # an earlier fit's in this process
     state = _resume(setup)
     logger = TrainLogger(setup.plan.run_dir, t, start_step=state.step, enabled=backend.is_main)
     order = (len(setup.dataset), t.micro_batch_size, t.grad_accum_steps, setup.cfg.seed, backend.rank)
@@ -365,7 +407,7 @@ def report_end(backend: Backend, run_dir: Path, step: int, max_steps: int, saved
 def end_message(step: int, max_steps: int, checkpoint: Path | None) -> str:
     if not stop_request.stopped:
         return f"[dflash2] done: step {step}, checkpoint {checkpoint}"
-    asked = f"a {stop_request.describe()}" if stop_request.signal_name else "a signal to another rank"
+    asked = f"a {stop_request.describe()}" if stop_request.signal_name else "another rank's stop request"
     return (
         f"[dflash2] stopped on {asked} after step {step} of {max_steps}: checkpoint {checkpoint}; "
         "run the same command again to resume"

@@ -144,6 +144,30 @@ def test_head_from_safetensors_is_the_models_head(family_dir, family):
 # ------------------------------------------------------------------ speculative decoding
 
 
+def test_a_checkpoint_whose_head_would_load_random_is_refused(tmp_path):
+    """A Qwen3.5 config tying the LM head at its top level only: the VLM class ties it, but the text
+    decoder a causal-LM load builds does not, and transformers filled lm_head.weight at random."""
+    import transformers as tf
+
+    from dflash2.target.load import load_pretrained_target
+    from tests.target_families import build_config
+
+    composite = build_config("qwen3_5_vlm").to_dict()
+    for text_tie, name in ((None, "top-only"), (True, "both")):
+        text = dict(composite["text_config"])
+        text.pop("tie_word_embeddings", None)
+        if text_tie is not None:
+            text["tie_word_embeddings"] = text_tie
+        config = tf.Qwen3_5Config(
+            text_config=text, vision_config=composite["vision_config"], tie_word_embeddings=True
+        )
+        tf.Qwen3_5ForConditionalGeneration(config).save_pretrained(tmp_path / name)
+    with pytest.raises(ValueError, match=r"no tensor for \['lm_head.weight'\].*tie_word_embeddings: true"):
+        load_pretrained_target(tmp_path / "top-only", torch.float32)
+    model = load_pretrained_target(tmp_path / "both", torch.float32)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
 def state_tensors(cache) -> dict[str, torch.Tensor]:
     """Everything a cache holds, by layer: KV (sliding windows: the kept window), conv and recurrent states."""
     out = {}

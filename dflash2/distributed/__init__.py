@@ -2,7 +2,12 @@
 names) or LocalBackend (one process, no process group)."""
 
 from dflash2.distributed.base import Backend, RankLayout
-from dflash2.distributed.env import build_backend, init_distributed, shutdown_distributed
+from dflash2.distributed.env import (
+    build_backend,
+    end_one_process_world,
+    init_distributed,
+    shutdown_distributed,
+)
 from dflash2.distributed.local_backend import LocalBackend
 from dflash2.distributed.registry import backend_class
 
@@ -12,6 +17,7 @@ __all__ = [
     "RankLayout",
     "backend_class",
     "build_backend",
+    "end_one_process_world",
     "init_distributed",
     "shutdown_distributed",
 ]

@@ -61,6 +61,12 @@ def _local_rank_from_argv(argv: list[str]) -> int | None:
     return None
 
 
+# The launcher variables _fill_launch_env set for a plain `python` run (a one-process world), unset
+# again when that world ends, so that the process (a notebook) starts later runs and launchers with
+# the environment it had.
+_set_for_one_process: list[str] = []
+
+
 def _fill_launch_env() -> None:
     if "LOCAL_RANK" not in os.environ:
         argv_local_rank = _local_rank_from_argv(sys.argv)
@@ -68,8 +74,11 @@ def _fill_launch_env() -> None:
             os.environ["LOCAL_RANK"] = str(argv_local_rank)
     if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
         # plain `python`: a one-process world on this machine
-        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        added = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        if "MASTER_PORT" not in os.environ:
+            added["MASTER_PORT"] = str(_free_port())
+        _set_for_one_process[:] = [name for name in added if name not in os.environ]
+        os.environ.update(added)
     missing = [
         name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ
     ]
@@ -106,6 +115,25 @@ def shutdown_distributed() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    _unset_one_process_env()
+
+
+def end_one_process_world() -> None:
+    """After a failure in a plain `python` run (a one-process world, no launcher): destroy its
+    process group without waiting for anybody, and unset the launcher variables it set, so that the
+    process can start another run. Under a launcher nothing changes: the failing rank's process
+    exits, and the job's store still carries its error report (dflash2.errors)."""
+    if not _set_for_one_process:
+        return
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _unset_one_process_env()
+
+
+def _unset_one_process_env() -> None:
+    for name in _set_for_one_process:
+        os.environ.pop(name, None)
+    _set_for_one_process.clear()
 
 
 def build_backend(

@@ -97,7 +97,10 @@ def load_config_dict(source: str | Path | dict) -> dict:
     if path.is_dir():
         path = path / CONFIG_FILE
     if not path.is_file():
-        raise ValueError(f"config source {str(source)!r}: no such file; pass a config.json or its directory")
+        where = "" if path.is_absolute() else f" (relative to {Path.cwd()})"
+        raise ValueError(
+            f"config source {str(source)!r}{where}: no such file; pass a config.json or its directory"
+        )
     with open(path) as f:
         cfg = json.load(f)
     if not isinstance(cfg, dict):
@@ -478,6 +481,11 @@ def _check_mask_token_id(cfg: dict, tokenizer: Any, problems: list[str]) -> None
         )
     if tokenizer is None:
         return
+    if not hasattr(tokenizer, "get_vocab"):
+        raise ValueError(
+            f"tokenizer: give a Hugging Face tokenizer (AutoTokenizer.from_pretrained(dir)), not "
+            f"{type(tokenizer).__name__}"
+        )
     mask_token = draft_value(cfg, "mask_token")
     vocab = tokenizer.get_vocab()
     if mask_token is not None:
@@ -542,10 +550,14 @@ def validate_draft_config(
 ) -> list[str]:
     """Every contract section 3 problem of a raw config dict, one message each (empty list: valid).
 
-    tokenizer: a Hugging Face tokenizer, to check the mask token; target_config: the target's config
+    tokenizer: a Hugging Face tokenizer (or its directory), to check the mask token; target_config: the target's config
     (dict, PretrainedConfig or path), to check hidden size, vocabulary and depth; source: the file
     `cfg` was read from, named with the target's in a draft/target mismatch.
     """
+    if isinstance(tokenizer, (str, Path)):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer)
     problems: list[str] = []
     _check_identity(cfg, problems)
     _check_layout(cfg, problems)

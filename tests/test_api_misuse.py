@@ -1,0 +1,143 @@
+"""The Python API called the way a notebook calls it: twice in one process, with a wrong argument,
+out of order. Each misuse is one ValueError naming the fix, raised before anything changes, and a
+call leaves no state behind that changes the next one."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dflash2
+from dflash2.data.loader import step_batches
+from dflash2.faults import STOP_MARKER, stop_request
+from dflash2.objective import compute_objective
+from dflash2.run import run
+from dflash2.timing import StepTimer
+from dflash2.train import flushing_subnormals
+
+REPO = Path(__file__).resolve().parents[1]
+TINY_CONFIG = REPO / "configs" / "tiny-dflash2.yaml"
+
+
+@pytest.fixture
+def overrides(tiny_default, tmp_path) -> list[str]:
+    return [
+        f"model.target={tiny_default.target_dir}",
+        f"data.train={tiny_default.train_jsonl}",
+        "data.max_length=64",
+        "objective.num_anchors=4",
+        "train.micro_batch_size=2",
+        "train.global_batch_size=null",
+        "train.max_steps=2",
+        "train.warmup_steps=0",
+        "train.export=false",
+        "train.progress_bar=false",
+        "train.log_every=1",
+    ]
+
+
+def setup_of(overrides: list[str], out: Path, *more: str) -> dflash2.Setup:
+    cfg = dflash2.load_run_config(TINY_CONFIG, [*overrides, f"output_dir={out}", *more])
+    plan = dflash2.resolve_run(cfg)
+    return dflash2.build_setup(plan, dflash2.LocalBackend.from_run_config(plan.config))
+
+
+def test_a_stopped_fit_leaves_no_stop_behind_and_a_setup_is_fitted_once(overrides, tmp_path, capsys):
+    torch.set_flush_denormal(True)  # the caller's own setting, which fit must give back
+    try:
+        stopped = setup_of(overrides, tmp_path / "stopped")
+        dflash2.fit(stopped, stop_vote=lambda: True)
+        assert stop_request.stopped
+        assert flushing_subnormals()
+        clean = setup_of(overrides, tmp_path / "clean")
+        summary = dflash2.fit(clean)
+    finally:
+        torch.set_flush_denormal(False)
+    assert summary["loss"] > 0 and not stop_request.stopped
+    assert not (tmp_path / "clean" / STOP_MARKER).exists()  # before: a finished run marked stopped
+    assert "[dflash2] done: step 2" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="fitted already.*resolve_run and dflash2.build_setup again"):
+        dflash2.fit(clean)
+    again = setup_of(overrides, tmp_path / "clean")  # resume=auto: nothing left to train
+    assert dflash2.fit(again) == {}
+
+
+def test_train_step_refuses_an_unstarted_timer_before_any_update(overrides, tmp_path):
+    setup = setup_of(overrides, tmp_path / "run")
+    before = {k: v.clone() for k, v in setup.backend.full_draft_state_dict().items()}
+    step = next(step_batches(len(setup.dataset), 2, 1, setup.cfg.seed, 0, 1))
+    with pytest.raises(ValueError, match=r"timer.start_step\(\)"):
+        dflash2.train_step(setup, step, StepTimer(setup.backend.device))
+    after = setup.backend.full_draft_state_dict()
+    assert all(after[k].equal(v) for k, v in before.items())  # before: updated, then AssertionError
+
+
+def test_a_backend_of_another_batch_layout_is_refused(overrides, tmp_path):
+    cfg = dflash2.load_run_config(
+        TINY_CONFIG, [*overrides, f"output_dir={tmp_path}", "train.global_batch_size=4"]
+    )
+    plan = dflash2.resolve_run(cfg)
+    assert plan.config.train.grad_accum_steps == 2
+    with pytest.raises(ValueError, match=r"micro-batch 1 x 1 .* run is 2 x 2.*from_run_config"):
+        dflash2.build_setup(plan, dflash2.LocalBackend())
+
+
+def test_wrong_arguments_and_paths_are_named_before_anything_loads(overrides, tiny_default, tmp_path):
+    with pytest.raises(ValueError, match="give a list of key=value strings"):
+        dflash2.load_run_config(TINY_CONFIG, "train.max_steps=4")
+    with pytest.raises(ValueError, match="takes a RunConfig.*load_run_config"):
+        dflash2.resolve_run(str(TINY_CONFIG))
+    missing = tmp_path / "nope.jsonl"
+    cfg = dflash2.load_run_config(
+        TINY_CONFIG, [*overrides, f"output_dir={tmp_path}", f"data.train={missing}"]
+    )
+    with pytest.raises(ValueError, match="data.train=.*does not exist"):
+        dflash2.resolve_run(cfg)
+    cfg = dflash2.load_run_config(
+        TINY_CONFIG, [*overrides, f"output_dir={tmp_path}", "model.target=no/such/dir"]
+    )
+    with pytest.raises(ValueError, match=r"model.target='no/such/dir' \(relative to .*\) does not exist"):
+        dflash2.resolve_run(cfg)  # before: the hub's "Repo id must be in the form ..."
+
+    from dflash2.evaluate import evaluate, evaluate_drafts
+
+    export = tmp_path / "export"
+    export.mkdir()
+    args = (tiny_default.target_dir, tiny_default.heldout_jsonl)
+    with pytest.raises(ValueError, match="give a list of export directories"):
+        evaluate_drafts(str(export), *args)
+    with pytest.raises(ValueError, match="--target=.*does not exist"):
+        evaluate(export, tmp_path / "no-target", tiny_default.heldout_jsonl)
+    with pytest.raises(ValueError, match="precision 'fp16': give one of fp32, bf16"):
+        evaluate(export, *args, precision="fp16")
+    checkpoint = tmp_path / "step_00000002"
+    checkpoint.mkdir()
+    for name in ("draft_config.json", "draft.safetensors"):
+        (checkpoint / name).write_text("{}")
+    with pytest.raises(ValueError, match="is a training checkpoint, not an export.*dflash2.export"):
+        evaluate(checkpoint, *args)
+
+
+def test_an_objective_that_needs_the_teacher_names_the_missing_tensor(overrides, tmp_path):
+    setup = setup_of(overrides, tmp_path / "run", "objective.labels=target")
+    ids = torch.tensor([setup.dataset[0]["input_ids"][:32]])
+    batch = {"input_ids": ids, "loss_mask": torch.ones_like(ids), "attention_mask": torch.ones_like(ids)}
+    batch["features"] = torch.zeros(1, ids.shape[1], len(setup.layer_ids) * setup.head.hidden_size)
+    with pytest.raises(ValueError, match=r"batch\['target_last_hidden'\].*split_last_hidden"):
+        compute_objective(setup.draft, setup.head, batch, setup.objective, torch.Generator().manual_seed(0))
+
+
+def test_a_failed_one_process_run_leaves_no_process_group_or_launcher_variables(overrides, tmp_path):
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    assert not any(name in os.environ for name in names) and not dist.is_initialized()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"not": "a conversation"}\n')
+    cfg = dflash2.load_run_config(TINY_CONFIG, [*overrides, f"output_dir={tmp_path}", f"data.train={bad}"])
+    with pytest.raises(ValueError):
+        run(cfg)
+    assert not dist.is_initialized()  # before: the group stayed, and RANK=0 ... reached every child
+    assert [name for name in names if name in os.environ] == []
