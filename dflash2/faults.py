@@ -9,8 +9,9 @@ within REPEAT_WINDOW_S of the first are the same request. A later signal aborts 
 dies of it, and the latest complete checkpoint stays as it was.
 
 Stop marker. Having stopped with a checkpoint, the trainers' rank 0 writes <output_dir>/stopped.json
-(`{"step": N, "checkpoint": ..., "signal": ...}`) once the checkpoint is complete: a SLURM batch shell
-decides to requeue from it, not from an exit code that srun may rewrite (launch/slurm/launch.sh).
+(`{"step": N, "trained": K, "checkpoint": ..., "signal": ...}`, K the steps this launch took) once
+the checkpoint is complete: a SLURM batch shell decides to requeue from it, not from an exit code that
+srun may rewrite (launch/slurm/launch.sh), and not after a stop that came before the first step.
 
 Launcher death. torchrun starts each worker in a session of its own, so a worker outlives a launcher
 killed with SIGKILL, or with SIGUSR1, which torchrun does not handle. `exit_with_launcher` has Linux
@@ -105,12 +106,14 @@ def stop_marker(output_dir: str | Path) -> Path:
     return Path(output_dir) / STOP_MARKER
 
 
-def write_stop_marker(output_dir: str | Path, step: int, checkpoint: Path | None) -> Path:
-    """Record that the run stopped on a signal with `checkpoint` at `step` (atomically: a reader sees
-    the whole file or none). Call it once the checkpoint is complete, on one rank."""
+def write_stop_marker(output_dir: str | Path, step: int, checkpoint: Path | None, start_step: int) -> Path:
+    """Record that the run stopped on a signal with `checkpoint` at `step`, having started this launch
+    at `start_step` (`trained`: the steps it took; 0 when the stop came during start-up), atomically:
+    a reader sees the whole file or none. Call it once the checkpoint is complete, on one rank."""
     path = stop_marker(output_dir)
     record = {
         "step": step,
+        "trained": step - start_step,
         "checkpoint": str(checkpoint) if checkpoint else None,
         "signal": stop_request.describe(),
     }

@@ -361,7 +361,7 @@ def _fit(setup: Setup, timer: StepTimer | None, stop_vote: Callable[[], bool] | 
     timer.finish()
     if state.step > saved_step:  # nothing new to save when a stop came before this launch's first step
         saved = save(setup, state, start if saved_step == start else None)
-    _finish(setup, state, saved, logger)
+    _finish(setup, state, saved, logger, start)
     return summary
 
 
@@ -382,7 +382,7 @@ def _resume(setup: Setup) -> TrainState:
     return state
 
 
-def _finish(setup: Setup, state: TrainState, saved: Path | None, logger: TrainLogger) -> None:
+def _finish(setup: Setup, state: TrainState, saved: Path | None, logger: TrainLogger, start: int) -> None:
     """After the last step and its checkpoint: the final export, the stop marker of a stopped run,
     the end message."""
     cfg, backend = setup.cfg, setup.backend
@@ -390,15 +390,18 @@ def _finish(setup: Setup, state: TrainState, saved: Path | None, logger: TrainLo
         training_run = {"step": state.step, "chat_template_kwargs": dict(cfg.data.chat_template_kwargs)}
         export_final(setup, setup.plan.run_dir / "export", training_run)
     logger.close()
-    report_end(backend, setup.plan.run_dir, state.step, cfg.train.max_steps, saved)
+    report_end(backend, setup.plan.run_dir, state.step, cfg.train.max_steps, saved, start)
 
 
-def report_end(backend: Backend, run_dir: Path, step: int, max_steps: int, saved: Path | None) -> None:
-    """The end of a launch on the console and, after a stop, the stop marker (dflash2.faults) that
-    every rank waits for: srun may end the other ranks as soon as one has exited."""
+def report_end(
+    backend: Backend, run_dir: Path, step: int, max_steps: int, saved: Path | None, start: int
+) -> None:
+    """The end of a launch that started at step `start` on the console and, after a stop, the stop
+    marker (dflash2.faults) that every rank waits for: srun may end the other ranks as soon as one
+    has exited."""
     if stop_request.stopped:
         if backend.is_main:
-            write_stop_marker(run_dir, step, saved)
+            write_stop_marker(run_dir, step, saved, start)
         backend.barrier()
     if backend.is_main:
         print(end_message(step, max_steps, saved), flush=True)

@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 from dflash2.faults import exit_with_launcher, stop_request  # noqa: E402  (light: stdlib only)
 
 exit_with_launcher()  # first: a worker whose launcher dies while the heavy imports below run still stops
+stop_request.install()  # SIGTERM/SIGINT/SIGUSR1 from here on stop the run with a checkpoint (not kill it)
 
 from dflash2.config import check_run_paths, load_run_config  # noqa: E402
 from dflash2.errors import EXIT_STOPPED, add_debug_flag, exit_process, run_main  # noqa: E402
@@ -43,7 +44,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     cfg = load_run_config(args.config, args.overrides)
     check_run_paths(cfg)
-    stop_request.install()  # from here on SIGTERM/SIGINT/SIGUSR1 stop the run with a checkpoint
     run(cfg)
     return EXIT_STOPPED if stop_request.stopped else 0
 

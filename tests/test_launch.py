@@ -1,6 +1,6 @@
 """Launch scripts: syntax, the SLURM environment derivation against recorded SLURM environments,
 the sbatch requeue path (SIGUSR1 passed on to the step, scontrol requeue when it exits 75), a
-two-node run simulated on this machine with two torchrun agents meeting over the c10d rendezvous,
+two-node run simulated on this machine with two torchrun agents meeting over the static rendezvous,
 and, with SLURM installed, a real job stopped by USR1, requeued and resumed without losing a step."""
 
 from __future__ import annotations
@@ -127,6 +127,7 @@ def start_sbatch(
     case: str = "slurm_env_1node.json",
     extra_env: dict | None = None,
     job_state: str = "RUNNING",
+    marker_json: str = '{"step": 5}',
 ) -> tuple[subprocess.Popen, Path, Path]:
     """Run launch/slurm/fsdp.sbatch as SLURM would (batch shell, a recorded environment) with stub
     srun / scontrol, on the tiny default with output_dir tmp_path/run. The srun stub records its
@@ -137,7 +138,7 @@ def start_sbatch(
     nodelist, hosts = recorded["env"]["SLURM_JOB_NODELIST"], recorded["scontrol_hostnames"]
     stub_scontrol(tmp_path, nodelist, hosts, tmp_path / "scontrol.log", job_state)
     srun_log, run_dir = tmp_path / "srun.log", tmp_path / "run"
-    marker = f"echo '{{\"step\": 5}}' > {run_dir / STOP_MARKER}; " if writes_marker else ""
+    marker = f"echo '{marker_json}' > {run_dir / STOP_MARKER}; " if writes_marker else ""
     on_signal = f"echo $1 >> {tmp_path / 'signals.log'}; {marker}kill $step; exit {exit_on_signal}"
     write_stub(
         tmp_path,
@@ -203,6 +204,7 @@ def test_sbatch_passes_the_stop_on_and_requeues_from_the_runs_marker(tiny_defaul
     assert requeued(scontrol_log)
     assert 'the run stopped with a checkpoint ({"step": 5}); requeueing, it resumes there' in output
     assert "global batch 8: micro-batch 2 x 1 accumulation steps x 4 ranks\n" in output
+    assert "collective timeout 1800 s;" in output  # a cluster's default: a 27B target loads slowly
     # the batch shell's lines are also in the run directory
     assert "requeueing" in (tmp_path / "run" / "slurm" / "batch-77.log").read_text()
     srun_args = srun_log.read_text().splitlines()
@@ -258,6 +260,73 @@ def test_sbatch_requeues_on_the_marker_alone_and_never_after_a_failure(tiny_defa
     assert not requeued(scontrol_log)
 
 
+def test_sbatch_requeues_a_running_job_whose_stop_outlives_the_deadline(tiny_default, tmp_path):
+    """A stop still writing its checkpoint DFLASH2_STOP_DEADLINE_S after SIGUSR1 (a slow file system):
+    the batch shell requeues the running job, which resumes from its latest complete checkpoint, where
+    the time limit would have ended it as TIMEOUT, which SLURM never requeues."""
+    process, srun_log, scontrol_log = start_sbatch(
+        tmp_path,
+        tiny_default,
+        FOUR_GPUS,
+        alone="trap 'echo USR1 >> " + str(tmp_path / "signals.log") + "' USR1; sleep 6 & wait; wait",
+        extra_env={"DFLASH2_STOP_DEADLINE_S": "1"},
+    )
+    wait_for_srun(process, srun_log)
+    process.send_signal(signal.SIGUSR1)
+    output, _ = process.communicate(timeout=60)
+    assert requeued(scontrol_log), output
+    assert "the stop did not finish within 1 s of SIGUSR1" in output, output
+
+
+def test_sbatch_does_not_requeue_a_run_the_time_limit_stopped_before_its_first_step(tiny_default, tmp_path):
+    """A start-up longer than the job's time before SIGUSR1 stops the run at its resume step: a requeued
+    job would stop there again, over and over. A SIGTERM (preemption) before the first step requeues."""
+    never_trained = '{"step": 5, "trained": 0, "checkpoint": null, "signal": "SIGUSR1"}'
+    for sig, name in ((signal.SIGUSR1, "usr1"), (signal.SIGTERM, "term")):
+        (tmp_path / name).mkdir()
+        process, srun_log, scontrol_log = start_sbatch(
+            tmp_path / name, tiny_default, FOUR_GPUS, marker_json=never_trained
+        )
+        wait_for_srun(process, srun_log)
+        process.send_signal(sig)
+        output, _ = process.communicate(timeout=30)
+        if sig == signal.SIGUSR1:
+            assert process.returncode == 1 and "before its first step" in output, output
+            assert "Give the job a longer --time" in output and not requeued(scontrol_log)
+        else:
+            assert process.returncode == 0 and requeued(scontrol_log), output
+
+
+def test_sbatch_survives_a_signal_during_the_preflight_and_acts_on_it(tiny_default, tmp_path):
+    """USR1 or TERM while the pre-flight runs (the heavy imports) no longer kills the batch shell (the
+    default action of USR1): USR1 (the time limit is near) starts nothing and is not requeued, TERM
+    (preemption) requeues without starting."""
+    slow = tmp_path / "slow-python"
+    flag = tmp_path / "in-preflight"
+    slow.write_text(
+        f'#!/bin/bash\n[[ $1 == */preflight.py ]] && touch {flag} && sleep 3\nexec {sys.executable} "$@"\n'
+    )
+    slow.chmod(0o755)
+    for sig, name in ((signal.SIGUSR1, "usr1"), (signal.SIGTERM, "term")):
+        (tmp_path / name).mkdir()
+        process, srun_log, scontrol_log = start_sbatch(
+            tmp_path / name, tiny_default, FOUR_GPUS, extra_env={"PYTHON": str(slow)}
+        )
+        deadline = time.monotonic() + 30
+        while not flag.exists():
+            assert time.monotonic() < deadline and process.poll() is None, process.communicate()[0]
+            time.sleep(0.05)
+        flag.unlink()
+        process.send_signal(sig)
+        output, _ = process.communicate(timeout=60)
+        assert not srun_log.exists(), output
+        if sig == signal.SIGUSR1:
+            assert process.returncode == 1 and "came before the run started: not started" in output, output
+            assert not requeued(scontrol_log)
+        else:
+            assert process.returncode == 0 and requeued(scontrol_log), output
+
+
 def test_sbatch_preflight_refuses_what_the_trainer_would_with_one_message(tiny_default, tmp_path):
     """The pre-flight runs the trainer's checks before srun: exit 2, one message, no traceback."""
     cases = {
@@ -308,8 +377,9 @@ def free_port() -> int:
 
 
 def test_two_nodes_simulated_with_two_torchrun_agents(tiny_default, tmp_path):
-    """Two agents (`torchrun --nnodes 2 --nproc_per_node 1 --node_rank {0,1} --rdzv_backend c10d`,
-    started by launch/multinode_torchrun.sh) run the real launch/train.py as one 2-rank world."""
+    """Two agents (`torchrun --nnodes 2 --nproc_per_node 1 --node_rank {0,1} --master_addr ...`,
+    started by launch/multinode_torchrun.sh) run the real launch/train.py as one 2-rank world, rank 0
+    on node 0."""
     run_dir = tmp_path / "run"
     port = free_port()
     args = [
@@ -322,7 +392,7 @@ def test_two_nodes_simulated_with_two_torchrun_agents(tiny_default, tmp_path):
     for node_rank in (0, 1):
         env = os.environ | {
             "NNODES": "2", "NODE_RANK": str(node_rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-            "GPUS_PER_NODE": "1", "RDZV_ID": "two-node-test", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
+            "GPUS_PER_NODE": "1", "PYTHON": sys.executable, "OMP_NUM_THREADS": "1",
         }  # fmt: skip
         agents.append(
             subprocess.Popen(
@@ -337,6 +407,7 @@ def test_two_nodes_simulated_with_two_torchrun_agents(tiny_default, tmp_path):
     outputs = [agent.communicate(timeout=300)[0] for agent in agents]
     for agent, output in zip(agents, outputs):
         assert agent.returncode == 0, output[-4000:]
+    assert "[dflash2] done: step 3" in outputs[0] and "[dflash2] done" not in outputs[1]  # rank 0: node 0
     checkpoint = run_dir / "checkpoints" / "step_00000003"
     assert (run_dir / "checkpoints" / "latest").read_text().strip() == checkpoint.name
     assert json.loads((checkpoint / "contract.json").read_text())["global_batch_size"] == 8  # 2 ranks x 4
@@ -349,7 +420,7 @@ def test_two_nodes_simulated_with_two_torchrun_agents(tiny_default, tmp_path):
 # ------------------------------------------------------------------ a real two-node SLURM cluster
 # Debian's Slurm (22.05, bookworm) runs several slurmd on one host: each node gets its own NodeName,
 # Port, spool directory and pid file (%n), and `slurmd -N <name>` starts it. So the job below has two
-# real SLURM nodes on this machine, one torchrun agent each, meeting over the c10d rendezvous.
+# real SLURM nodes on this machine, one torchrun agent each, meeting over the static rendezvous.
 
 SLURM_BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo")
 NODES = ("dflash2n1", "dflash2n2")

@@ -11,7 +11,10 @@
 #      (DFLASH2_MASTER_PORT). Each node's output goes to <output_dir>/slurm/<job id>.<restart>/node<N>.out;
 #      this shell's own lines also to <output_dir>/slurm/batch-<job id>.log;
 #   3. on SIGUSR1 (#SBATCH --signal=B:USR1@<lead seconds>, before the time limit) passes it on to the
-#      step (srun forwards it to every process of the step); on SIGTERM (`scancel --signal=TERM
+#      step (srun forwards it to every process of the step); when the stop has not finished
+#      DFLASH2_STOP_DEADLINE_S seconds later (default 240, inside the sbatch files' lead of 300),
+#      requeues the running job, which resumes from its latest complete checkpoint (a job the time
+#      limit ends is TIMEOUT, which SLURM never requeues); on SIGTERM (`scancel --signal=TERM
 #      --batch`, a site that signals the batch shell) sends SIGTERM to every process of the job's
 #      steps with `scancel --signal=TERM <job>`, not through srun: srun itself ends its step at once on
 #      SIGTERM (it kills the tasks), so a SIGTERM that also reaches srun (`scancel --full`, the time
@@ -22,7 +25,9 @@
 #      whatever srun's exit status (with several nodes, --kill-on-bad-exit may end the tasks still
 #      exiting once the first one has exited with 75): the requeued job resumes at the step it stopped
 #      at, losing nothing. A failure without the marker is never requeued (a bug would requeue over and
-#      over), nor a job SLURM reports CANCELLED (a plain `scancel` is final). #SBATCH --requeue also
+#      over), nor a job SLURM reports CANCELLED (a plain `scancel` is final), nor a run that the time
+#      limit's SIGUSR1 stopped before its first step (its start-up took longer than the time before the
+#      signal: a requeued job would stop there again; the marker's `trained` is 0). #SBATCH --requeue also
 #      requeues after a node failure (back to the latest periodic checkpoint then).
 
 _DFLASH2_STOP_MARKER=stopped.json  # dflash2.faults.STOP_MARKER
@@ -35,14 +40,36 @@ _dflash2_say() {
 
 _dflash2_on_usr1() {
   _dflash2_say "SIGUSR1: passed on to the run, which checkpoints and stops"
-  _dflash2_signaled=1
+  _dflash2_signaled=1 _dflash2_got_usr1=1
   if [[ -z ${_dflash2_step:-} ]]; then _dflash2_pending=1; return; fi  # srun is starting: pass it on then
   kill -USR1 "$_dflash2_step" 2>/dev/null || true
+  if [[ -z ${_dflash2_deadline:-} ]]; then  # the time limit ends the step (TIMEOUT: never requeued) ...
+    _dflash2_deadline=${DFLASH2_STOP_DEADLINE_S:-240}
+    # (a TERM ends the watcher's sleep too: killed alone, the sleep would outlive it)
+    (
+      trap 'kill "$s" 2>/dev/null; exit 0' TERM
+      sleep "$_dflash2_deadline" &
+      s=$!
+      wait "$s" && kill -USR2 $$
+    ) </dev/null >/dev/null 2>&1 &
+    _dflash2_watch=$!
+  fi
+}
+
+# ... unless the job is requeued first: a stop still running this long after SIGUSR1 (a checkpoint on
+# a slow file system) requeues the running job, which resumes from its latest complete checkpoint.
+_dflash2_on_deadline() {
+  _dflash2_signaled=1
+  if [[ -z ${_dflash2_step:-} ]] || ! kill -0 "$_dflash2_step" 2>/dev/null; then return; fi
+  _dflash2_say "the stop did not finish within ${_dflash2_deadline} s of SIGUSR1 (DFLASH2_STOP_DEADLINE_S):" \
+    "requeueing before the time limit ends the job; it resumes from the latest complete checkpoint"
+  scontrol requeue "${SLURM_JOB_ID}" || _dflash2_say "scontrol requeue failed; resubmit the job" >&2
 }
 
 _dflash2_on_term() {
   _dflash2_say "SIGTERM: sent to every process of the run (scancel --signal=TERM), which checkpoints and stops"
   _dflash2_signaled=1
+  if [[ -z ${_dflash2_step:-} ]]; then _dflash2_pending=1; return; fi  # before srun: a stop at its start
   scancel --signal=TERM "${SLURM_JOB_ID}" || kill -USR1 "${_dflash2_step:-}" 2>/dev/null || true
 }
 
@@ -74,6 +101,15 @@ dflash2_slurm_run() {
   shift
   local python=${PYTHON:-.venv/bin/python}
   export PYTHON=$python
+  # On a cluster the slowest legitimate wait is one rank reading a large target from a shared file
+  # system while the others wait in their first collective (a 27B target: 54 GB): 30 minutes unless
+  # the job says otherwise (dflash2.faults; 600 s elsewhere).
+  export DFLASH2_DIST_TIMEOUT_S=${DFLASH2_DIST_TIMEOUT_S:-1800}
+  # the traps first: a signal during the pre-flight (the heavy imports) is passed on once srun starts
+  _dflash2_step= _dflash2_pending= _dflash2_got_usr1= _dflash2_deadline= _dflash2_watch=
+  trap _dflash2_on_usr1 USR1
+  trap _dflash2_on_term TERM
+  trap _dflash2_on_deadline USR2
   source launch/slurm/slurm_env.sh
   local run_dir
   run_dir=$("$python" launch/slurm/preflight.py --world-size "$WORLD_SIZE" "$config" "$@") || return
@@ -85,11 +121,19 @@ dflash2_slurm_run() {
   _dflash2_log="$run_dir/slurm/batch-${SLURM_JOB_ID}.log"
   rm -f "$marker"  # a marker from an earlier start must not requeue this one
   _dflash2_say "(restart ${RESTART_COUNT}) ${NNODES} nodes x ${GPUS_PER_NODE} GPUs," \
-    "${SLURM_CPUS_PER_TASK:-all the} CPUs per node, rendezvous ${MASTER_ADDR}:${MASTER_PORT}; log ${log_dir}/node<N>.out"
-
-  _dflash2_step= _dflash2_pending=
-  trap _dflash2_on_usr1 USR1
-  trap _dflash2_on_term TERM
+    "${SLURM_CPUS_PER_TASK:-all the} CPUs per node, rendezvous ${MASTER_ADDR}:${MASTER_PORT}," \
+    "collective timeout ${DFLASH2_DIST_TIMEOUT_S} s; log ${log_dir}/node<N>.out"
+  if [[ -n $_dflash2_pending ]]; then  # a stop signal during the pre-flight: the run is not started
+    if [[ -n $_dflash2_got_usr1 ]]; then
+      _dflash2_say "the time limit's SIGUSR1 came before the run started: not started, not requeued" \
+        "(a requeued job would get no further). Give the job a longer --time"
+      return 1
+    fi
+    if _dflash2_cancelled; then _dflash2_say "the job was cancelled before the run started"; return 0; fi
+    _dflash2_say "SIGTERM before the run started: requeueing"
+    scontrol requeue "${SLURM_JOB_ID}" || _dflash2_say "scontrol requeue failed; resubmit the job" >&2
+    return 0
+  fi
   # NODE_RANK differs per node: each task derives its own environment.
   srun --kill-on-bad-exit=1 --nodes="${NNODES}" --ntasks-per-node=1 \
     ${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"} --output="$log_dir/node%n.out" \
@@ -99,7 +143,8 @@ dflash2_slurm_run() {
   if [[ -n $_dflash2_pending ]]; then kill -USR1 "$_dflash2_step" 2>/dev/null || true; fi
   local status=0
   _dflash2_wait_step || status=$?
-  trap - USR1 TERM
+  trap - USR1 TERM USR2
+  if [[ -n ${_dflash2_watch:-} ]]; then kill "$_dflash2_watch" 2>/dev/null || true; fi
   if [[ ! -f $marker && $status == 0 ]]; then
     _dflash2_say "the run finished"
     return 0
@@ -110,6 +155,12 @@ dflash2_slurm_run() {
   fi
   local stopped
   stopped=$(cat "$marker")
+  if [[ $stopped == *'"trained": 0,'* && -n $_dflash2_got_usr1 ]]; then
+    _dflash2_say "the run stopped on the time limit's SIGUSR1 before its first step (${stopped}): its start-up" \
+      "took longer than the job's time before the signal; not requeued, a requeued job would stop there" \
+      "again. Give the job a longer --time"
+    return 1
+  fi
   if _dflash2_cancelled; then
     _dflash2_say "the run stopped with a checkpoint (${stopped}); the job was cancelled: not requeued"
     return 0
