@@ -317,6 +317,8 @@ def save_checkpoint(
             _fsync_write(tmp / COMPLETE, json.dumps({"step": step, "world_size": backend.world_size}))
             _fsync(tmp)
             moved = _set_aside(root, step, set_aside_after)
+            if set_aside_after is not None:  # this launch's first save: what crashed saves left behind
+                _remove_leftovers(root, keep=tmp)
             try:
                 if final.exists():  # a partial directory of this step (a complete one was set aside)
                     _remove_checkpoint(final)
@@ -339,6 +341,17 @@ def save_checkpoint(
             )
     backend.barrier()
     return final
+
+
+def _remove_leftovers(root: Path, keep: Path) -> None:
+    """Remove what an interrupted save or deletion left in `root` (the `.tmp-step_*` directories but
+    `keep`, and `step_*` directories without COMPLETE): none is a checkpoint, and each may hold a
+    whole draft and its optimizer state."""
+    for path in root.iterdir():
+        partial_step = STEP_DIR.fullmatch(path.name) and not (path / COMPLETE).is_file()
+        stale_tmp = path.name.startswith(f"{TMP_PREFIX}{STEP_PREFIX}") and path != keep
+        if path.is_dir() and (partial_step or stale_tmp):
+            shutil.rmtree(path)
 
 
 def _set_aside(root: Path, step: int, after: int | None) -> list[tuple[Path, Path]]:

@@ -163,10 +163,15 @@ def test_a_fresh_run_sets_aside_another_runs_later_checkpoints(tmp_path, capsys)
         kept = aside / f"step_{step:08d}"
         assert (kept / "COMPLETE").is_file()
         assert load_file(str(kept / "draft.safetensors"))["layer.weight"][0, 0] == float(step)
-    # a launch resumed at step 4 sets aside only the later step 6, under a free name
+    # a launch resumed at step 4 sets aside only the later step 6, under a free name, and removes
+    # what interrupted saves and deletions left (each may be a whole draft and its optimizer state)
+    for leftover in (".tmp-step_00000009", "step_00000008"):
+        (root / leftover).mkdir()
+        (root / leftover / "draft.safetensors").write_text("partial")
     save(FakeBackend(weight=5.0), tmp_path, 5, set_aside_after=4)
     assert sorted(p.name for p in root.glob("step_*")) == ["step_00000004", "step_00000005"]
     assert (aside / "step_00000006-2" / "COMPLETE").is_file()
+    assert not list(root.glob(".tmp-*"))
 
 
 def test_saving_a_step_again_keeps_the_first_copy_when_the_rename_fails(tmp_path, monkeypatch):

@@ -335,9 +335,19 @@ def test_ds_config_batch_sizes_are_written_and_conflicts_named():
 
 
 def test_launch_environment_for_plain_python_and_the_deepspeed_launcher(monkeypatch):
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+    from dflash2.distributed import env
+
+    monkeypatch.setattr(env, "_set_for_one_process", [])  # what this test's one-process world records
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", *env.TASK_COUNT_VARIABLES):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(sys, "argv", ["train.py"])
+    # one of 16 tasks of `srun -n 16 python launch/train.py` (no torch launcher): refused, not a
+    # one-process world of its own (it was: 16 runs on one device and one output directory)
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "16")
+    with pytest.raises(ValueError, match="one of 16 tasks started without torchrun.*launch/slurm"):
+        _fill_launch_env()
+    assert "RANK" not in os.environ
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "1")  # `srun python ...`: one task is a one-process world
     _fill_launch_env()
     assert (os.environ["RANK"], os.environ["WORLD_SIZE"], os.environ["LOCAL_RANK"]) == ("0", "1", "0")
     assert os.environ["MASTER_ADDR"] == "127.0.0.1" and int(os.environ["MASTER_PORT"]) > 0

@@ -67,12 +67,32 @@ def _local_rank_from_argv(argv: list[str]) -> int | None:
 _set_for_one_process: list[str] = []
 
 
+# Task counts that srun and MPI launchers set in each task they start; none of them sets RANK.
+TASK_COUNT_VARIABLES = ("SLURM_STEP_NUM_TASKS", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE")
+
+
+def _refuse_tasks_without_launcher() -> None:
+    """Many tasks started without a torch launcher (`srun -n 8 python launch/train.py`, mpirun, the
+    deepspeed launcher's slurm/openmpi modes) would each run a one-process world of its own, all
+    on one device and one output directory: refused, naming the launchers that work."""
+    for name in TASK_COUNT_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 1:
+            raise ValueError(
+                f"{name}={value}: this process is one of {value} tasks started without torchrun or the "
+                "deepspeed launcher (no RANK is set), and each would train alone. Under SLURM submit "
+                "launch/slurm/<name>.sbatch (one torchrun agent per node); elsewhere start the run "
+                "with torchrun or deepspeed"
+            )
+
+
 def _fill_launch_env() -> None:
     if "LOCAL_RANK" not in os.environ:
         argv_local_rank = _local_rank_from_argv(sys.argv)
         if argv_local_rank is not None:
             os.environ["LOCAL_RANK"] = str(argv_local_rank)
     if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+        _refuse_tasks_without_launcher()
         # plain `python`: a one-process world on this machine
         added = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         if "MASTER_PORT" not in os.environ:
