@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Start a multi-node DeepSpeed run from one node: the deepspeed launcher reads the hostfile and
 # starts every node's processes over pdsh/ssh (passwordless ssh between the nodes, the same
-# checkout path and environment on each; variables listed in ./.deepspeed_env are forwarded).
+# checkout path and environment on each). Over ssh a process gets only the variables the launcher
+# forwards: those named NCCL*, PYTHON*, UCX*, MV2*, MLFLOW*, the ones listed in ~/.deepspeed_env or
+# ./.deepspeed_env, and here also this shell's DFLASH2_* and TORCH_* (DFLASH2_DIST_TIMEOUT_S, ...).
 #
 #   HOSTFILE=hostfile launch/multinode_deepspeed.sh --config configs/recipes/qwen3.6-27b-dflash2-8gpu-zero3.yaml [key=value ...]
 #
@@ -19,6 +21,12 @@ deepspeed=${DEEPSPEED:-$root/.venv/bin/deepspeed}
 [[ -x $deepspeed ]] || { echo "multinode_deepspeed.sh: no deepspeed at $deepspeed; set DEEPSPEED" >&2; exit 2; }
 master_addr=${MASTER_ADDR:-$(awk 'NF && $1 !~ /^#/ {print $1; exit}' "$HOSTFILE")}
 [[ -n $master_addr ]] || { echo "multinode_deepspeed.sh: no host in $HOSTFILE" >&2; exit 2; }
+
+# One env file for the launcher (DS_ENV_FILE) with the user's lines and this run's settings.
+env_file=$(mktemp "${TMPDIR:-/tmp}/dflash2-deepspeed-env.XXXXXX")
+for listed in ~/.deepspeed_env .deepspeed_env; do [[ -f $listed ]] && cat "$listed" >>"$env_file"; done
+env | grep -E '^(DFLASH2|TORCH)_[A-Za-z0-9_]*=' >>"$env_file" || true
+export DS_ENV_FILE=$env_file
 
 exec "$deepspeed" --hostfile "$HOSTFILE" --master_addr "$master_addr" --master_port "${MASTER_PORT:-29500}" \
   "$root/launch/train.py" "$@"

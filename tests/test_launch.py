@@ -599,3 +599,33 @@ def test_sbatch_on_two_real_slurm_nodes_stops_on_usr1_and_term_requeues_itself_a
         load_file(d / "checkpoints" / f"step_{steps:08d}" / "draft.safetensors") for d in (run_dir, reference)
     )
     assert got.keys() == expected.keys() and all(torch.equal(got[k], expected[k]) for k in got)
+
+
+def test_multinode_deepspeed_forwards_the_runs_settings_to_every_node(tmp_path):
+    """DeepSpeed's pdsh runner forwards over ssh only a few variable prefixes and .deepspeed_env's
+    lines: the script hands it one env file with the user's lines and this shell's DFLASH2_* and
+    TORCH_* (a collective timeout set for the job reached no node before)."""
+    (tmp_path / "hostfile").write_text("node0 slots=8\nnode1 slots=8\n")
+    (tmp_path / ".deepspeed_env").write_text("MY_SETTING=1\n")
+    stub = tmp_path / "deepspeed"
+    stub.write_text('#!/bin/bash\necho "args: $*"\ncat "$DS_ENV_FILE"\n')
+    stub.chmod(0o755)
+    env = os.environ | {
+        "HOSTFILE": str(tmp_path / "hostfile"),
+        "DEEPSPEED": str(stub),
+        "DFLASH2_DIST_TIMEOUT_S": "3600",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+        "HOME": str(tmp_path / "home"),
+    }
+    out = subprocess.run(
+        [str(REPO / "launch/multinode_deepspeed.sh"), "--config", "x.yaml"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "--hostfile" in out and "--master_addr node0" in out, out
+    lines = out.splitlines()
+    for line in ("MY_SETTING=1", "DFLASH2_DIST_TIMEOUT_S=3600", "TORCH_NCCL_ASYNC_ERROR_HANDLING=1"):
+        assert line in lines, out
