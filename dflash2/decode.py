@@ -163,8 +163,10 @@ def verify_sampling(
         u = torch.rand((), generator=generator, device=p.device)
         if u >= ratio:  # rejected with probability 1 - min(1, p/q)
             residual = torch.clamp(p[i] - q[i], min=0.0)
-            assert residual.sum() > 0, "rejection happens only where p(x) < q(x), so p - q has mass"
-            return i, _sample(residual / residual.sum(), generator)
+            mass = residual.sum()
+            # p and q equal to rounding (u within an ulp of 1 rejected): no residual mass, and p is
+            # then what the residual stands for
+            return i, _sample(residual / mass if mass > 0 else p[i], generator)
     return len(proposals), _sample(p[len(proposals)], generator)
 
 
@@ -280,15 +282,21 @@ def target_generate(
     *,
     max_new_tokens: int,
     stop_token_ids: Sequence[int] = (),
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
 ) -> list[int]:
-    """The target's own greedy decoding (one forward per token, KV-cached): the reference speculative
-    decoding must reproduce, and the plain decoding its speed is compared with."""
+    """The target's own decoding (one forward per token, KV-cached): greedy, what speculative
+    decoding must reproduce, or sampled at `temperature` (from `generator`), what lossless
+    speculative sampling draws from; the plain decoding its speed is compared with."""
     device = next(target.parameters()).device
     cache, output, ids = new_cache(target, room=max_new_tokens), [], [int(t) for t in input_ids]
     while len(output) < max_new_tokens:
         input_ids = torch.tensor([ids], device=device)  # the LM head on the last position only
         logits = target(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits
-        ids = [int(logits[0, -1].argmax())]
+        if temperature > 0:
+            ids = [_sample(torch.softmax(logits[0, -1].float() / temperature, dim=-1), generator)]
+        else:
+            ids = [int(logits[0, -1].argmax())]
         output += ids
         if ids[0] in stop_token_ids:
             break
@@ -302,8 +310,17 @@ def timed_target_generate(
     max_new_tokens: int,
     stop_token_ids: Sequence[int] = (),
     clock: Clock = time.perf_counter,
+    temperature: float = 0.0,
+    generator: torch.Generator | None = None,
 ) -> TargetResult:
     """`target_generate`, with its wall time read from `clock` (as `speculative_generate` reads its own)."""
     start = clock()
-    output = target_generate(target, input_ids, max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids)
+    output = target_generate(
+        target,
+        input_ids,
+        max_new_tokens=max_new_tokens,
+        stop_token_ids=stop_token_ids,
+        temperature=temperature,
+        generator=generator,
+    )
     return TargetResult(output, clock() - start)

@@ -143,22 +143,29 @@ def summarize(results: list[GenerationResult], block_size: int) -> dict:
     }
 
 
-def speed_summary(results: list[GenerationResult], target_results: list[TargetResult]) -> dict:
+def speed_summary(
+    results: list[GenerationResult], target_results: list[TargetResult], greedy: bool = True
+) -> dict:
     """Speculative decoding vs the target alone on the same prompts: tokens/s of each, their ratio
-    (`speedup` > 1: speculative decoding is faster), and how many greedy outputs are the same."""
+    (`speedup` > 1: speculative decoding is faster), and, when both decoded greedily, how many
+    outputs are the same (sampled ones differ by chance)."""
     spec_tokens, spec_wall = sum(len(r.output_ids) for r in results), sum(r.wall_s for r in results)
     target_tokens = sum(len(r.output_ids) for r in target_results)
     target_wall = sum(r.wall_s for r in target_results)
     spec_speed = spec_tokens / spec_wall if spec_wall > 0 else 0.0
     target_speed = target_tokens / target_wall if target_wall > 0 else 0.0
-    return {
+    summary = {
         "spec_tokens_per_s": spec_speed,
         "target_tokens_per_s": target_speed,
         "speedup": spec_speed / target_speed if target_speed > 0 else 0.0,
         "target_generated_tokens": target_tokens,
         "target_wall_s": target_wall,
-        "outputs_equal_target": sum(r.output_ids == t.output_ids for r, t in zip(results, target_results)),
     }
+    if greedy:
+        summary["outputs_equal_target"] = sum(
+            r.output_ids == t.output_ids for r, t in zip(results, target_results)
+        )
+    return summary
 
 
 def prompt_lookup_summary(
@@ -293,6 +300,9 @@ def compare_drafts(
         raise ValueError("compare_drafts needs at least one draft")
     device = next(target.parameters()).device
     generators = [torch.Generator(device=device).manual_seed(seed) for _ in drafts]
+    # at a temperature the target alone samples too: the same distribution of outputs (and lengths)
+    # that lossless speculative sampling draws from, so that the speeds compare like with like
+    target_generator = torch.Generator(device=device).manual_seed(seed)
     common = dict(max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, clock=clock)
     results: list[list[GenerationResult]] = [[] for _ in drafts]
     target_results: list[TargetResult] = []
@@ -304,7 +314,11 @@ def compare_drafts(
         turn = index % len(decoders)
         for which in decoders[turn:] + decoders[:turn]:
             if which is None:
-                target_results.append(timed_target_generate(target, ids, **common))
+                target_results.append(
+                    timed_target_generate(
+                        target, ids, temperature=temperature, generator=target_generator, **common
+                    )
+                )
                 continue
             results[which].append(
                 speculative_generate(
@@ -321,8 +335,9 @@ def compare_drafts(
     for draft, draft_results in zip(drafts, results):
         summary = summarize(draft_results, draft.block_size)
         if compare_target:
-            summary.update(speed_summary(draft_results, target_results))
-            summary.update(prompt_lookup_summary(prompts, target_results, draft.block_size))
+            summary.update(speed_summary(draft_results, target_results, greedy=temperature == 0))
+            if temperature == 0:  # a greedy verification of the target's greedy outputs
+                summary.update(prompt_lookup_summary(prompts, target_results, draft.block_size))
         evaluated.append((summary, draft_results))
     return evaluated
 

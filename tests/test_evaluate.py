@@ -417,6 +417,35 @@ def test_verify_sampling_matches_target_distribution():
         assert tv < bound, (tv, bound)
 
 
+def test_a_rejection_where_p_and_q_agree_to_rounding_draws_from_p(monkeypatch):
+    """u within an ulp of 1 rejects a proposal whose p / q rounds to just below 1: max(p - q, 0) then
+    has no mass (it crashed on an assert), and the token comes from p."""
+    p = torch.softmax(torch.tensor([[2.0, 1.0, 0.5], [0.0, 0.0, 0.0]]), -1)
+    q = p[:1].clone()
+    q[0, 0] = torch.nextafter(p[0, 0], torch.tensor(2.0))  # q(x) one ulp above p(x): ratio below 1
+    monkeypatch.setattr(decode.torch, "rand", lambda *a, **k: torch.tensor(1.0 - 2**-24))
+    n, token = decode.verify_sampling([0], q, torch.log(p), 1.0, torch.Generator().manual_seed(0))
+    assert n == 0 and 0 <= token < 3
+
+
+def test_at_a_temperature_the_target_alone_samples_too(target, head):
+    """The speed reference at T > 0 is the target's own sampling (its outputs and lengths are those
+    speculative sampling draws from), seeded like the drafts; no greedy-only figure is reported."""
+    generator = torch.Generator().manual_seed(3)
+    sampled = [
+        decode.target_generate(target, PROMPT, max_new_tokens=12, temperature=1.0, generator=generator)
+        for _ in range(4)
+    ]
+    assert len({tuple(s) for s in sampled}) > 1  # sampled, not the greedy output four times
+    draft = build_random_draft("DFlashDraftModel")
+    summary, _ = ev.evaluate_prompts(draft, target, head, [PROMPT], max_new_tokens=12, temperature=1.0)
+    again, _ = ev.evaluate_prompts(draft, target, head, [PROMPT], max_new_tokens=12, temperature=1.0)
+    assert summary["target_generated_tokens"] == again["target_generated_tokens"]  # seeded
+    assert "outputs_equal_target" not in summary and "prompt_lookup_tau" not in summary
+    greedy, _ = ev.evaluate_prompts(draft, target, head, [PROMPT], max_new_tokens=12)
+    assert greedy["outputs_equal_target"] == 1 and "prompt_lookup_tau" in greedy
+
+
 # ------------------------------------------------------------------ speedup over the target alone
 
 TARGET_FORWARD_S, DRAFT_STEP_S = 1.0, 0.25
