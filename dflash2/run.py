@@ -92,13 +92,23 @@ def run_colocated(cfg: RunConfig) -> dict[str, float]:
 
 def run_offline_capture(cfg: RunConfig, out_dir: str | Path, *, batch_size: int, shard_bytes: int) -> Path:
     """Capture the features of run `cfg` into `out_dir` on every rank (data_prep/capture.py)."""
+    try:
+        out = _offline_capture(cfg, out_dir, batch_size=batch_size, shard_bytes=shard_bytes)
+    except BaseException:
+        end_one_process_world()  # a plain `python` run: no group or launcher variables left behind
+        raise
+    shutdown_distributed()
+    return out
+
+
+def _offline_capture(cfg: RunConfig, out_dir: str | Path, *, batch_size: int, shard_bytes: int) -> Path:
     init_distributed(cfg.backend)
     plan = resolve_run(cfg)
     backend = run_backend(cfg)
     warn_if_slow_bf16(backend.device, cfg.target_torch_dtype, is_main=backend.is_main)
     dataset = plan.dataset(backend.is_main)
     target = backend.load_target(cfg.model.target, cfg.target_torch_dtype)
-    out = capture_to_dir(
+    return capture_to_dir(
         cfg,
         backend,
         target,
@@ -111,8 +121,6 @@ def run_offline_capture(cfg: RunConfig, out_dir: str | Path, *, batch_size: int,
         shard_bytes=shard_bytes,
         identity=plan.identity,
     )
-    shutdown_distributed()
-    return out
 
 
 def regenerate_and_capture(

@@ -252,6 +252,76 @@ def test_features_of_other_samples_are_refused_with_the_fix(features_dir, overri
         store.check_samples(Dataset.from_dict({"input_ids": ids[:30]}))
 
 
+def test_a_capture_cut_short_by_a_full_disk_resumes_where_it_stopped(
+    features_dir, overrides, tmp_path, monkeypatch, capsys
+):
+    """A full disk at the third shard (one shard a sample here): the rerun captures only the samples
+    no complete shard holds (it captured all 31 again before), removes the cut-short file, and the
+    directory serves the same features as an uninterrupted capture."""
+    import errno
+
+    import dflash2.capture.offline as offline
+    from dflash2.run import run_offline_capture
+
+    cfg = load_run_config(TINY_CONFIG, [*overrides, f"output_dir={tmp_path / 'run'}"])
+    out = tmp_path / "features"
+    save, calls = offline.save_tensors, []
+
+    def disk_fills(tensors, path, metadata=None):
+        calls.append(path)
+        if len(calls) == 3:
+            Path(path).write_bytes(b"cut short")
+            raise OSError(errno.ENOSPC, "No space left on device")
+        save(tensors, path, metadata=metadata)
+
+    monkeypatch.setattr(offline, "save_tensors", disk_fills)
+    with pytest.raises(OSError, match="No space left"):
+        run_offline_capture(cfg, out, batch_size=3, shard_bytes=1)
+    assert not (out / "manifest.json").exists() and len(list(out.glob("shard-*"))) == 2
+    monkeypatch.setattr(offline, "save_tensors", save)
+    captured, capture_into = [], offline.capture_into
+    monkeypatch.setattr(
+        offline,
+        "capture_into",
+        lambda w, b, t, d, indices, *a: (captured.extend(indices), capture_into(w, b, t, d, indices, *a)),
+    )
+    capsys.readouterr()
+    run_offline_capture(cfg, out, batch_size=3, shard_bytes=1)
+    note = capsys.readouterr().out
+    assert "2 of 31 samples are in 2 shards already; removed 1 shard files" in note, note
+    assert sorted(captured) == list(range(2, NUM_SAMPLES))
+    assert not list(out.glob(".*.tmp"))
+    resumed = OfflineFeatures(out, expected_identity(overrides), last_hidden=True)
+    whole = OfflineFeatures(features_dir, expected_identity(overrides), last_hidden=True)
+    for index in range(NUM_SAMPLES):
+        torch.testing.assert_close(resumed.sample(index), whole.sample(index), rtol=1e-5, atol=1e-5)
+    # a shard cut short after the capture is refused when training opens the directory
+    manifest = json.loads((out / "manifest.json").read_text())
+    shard = out / manifest["shards"][5]
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(
+        ValueError, match=f"shard {shard.name} has 100 bytes, {manifest['shard_bytes'][5]} when written"
+    ):
+        OfflineFeatures(out, expected_identity(overrides))
+
+
+def test_a_reader_keeps_a_bounded_number_of_shards_mapped(overrides, tmp_path, monkeypatch):
+    """A shard a sample (31 shards), two handles at most: each holds a memory map, and a long run
+    reads every shard of a capture with tens of thousands (before: every shard read stayed mapped)."""
+    import dflash2.capture.offline as offline
+    from dflash2.run import run_offline_capture
+
+    cfg = load_run_config(TINY_CONFIG, [*overrides, f"output_dir={tmp_path / 'run'}"])
+    run_offline_capture(cfg, tmp_path / "features", batch_size=8, shard_bytes=1)
+    monkeypatch.setattr(offline, "OPEN_SHARDS", 2)
+    store = OfflineFeatures(tmp_path / "features", expected_identity(overrides))
+    assert len(store.manifest["shards"]) == NUM_SAMPLES
+    for index in [0, 5, 9, 5, 30, 0]:
+        store.sample(index)
+        assert len(store._files) <= 2
+    assert list(store._files) == [store.manifest["sample_shard"][i] for i in (30, 0)]  # the most recent
+
+
 def test_changed_layer_ids_or_missing_manifest_are_refused(features_dir, overrides, tmp_path):
     with pytest.raises(ValueError, match=r"target_layer_ids is \[1, 3, 4\] in the features but \[1, 3\]"):
         OfflineFeatures(features_dir, {**expected_identity(overrides), "target_layer_ids": [1, 3]})

@@ -25,7 +25,14 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from dflash2.capture.offline import MANIFEST, ShardWriter, capture_into, feature_identity, write_manifest
+from dflash2.capture.offline import (
+    MANIFEST,
+    ShardWriter,
+    capture_into,
+    feature_identity,
+    fsync_path,
+    write_manifest,
+)
 from dflash2.config import RunConfig
 from dflash2.data.regenerate import Reply
 from dflash2.distributed.local_backend import LocalBackend
@@ -33,6 +40,11 @@ from dflash2.identity import RunIdentity
 from dflash2.safetensors_io import save_tensors
 
 STAGED_GLOB = "fused-*.safetensors"
+
+
+def staged_number(path: Path) -> int:
+    """N of `fused-N.safetensors` (at least 5 digits: past 99999 the names no longer sort by it)."""
+    return int(path.stem.split("-")[1])
 
 
 def regeneration_stamp(cfg: RunConfig, layer_ids: list[int], identity: RunIdentity) -> dict:
@@ -50,7 +62,7 @@ class StagedFeatures:
         self.out_dir = Path(out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.stamp, self.hidden_size = stamp, hidden_size
-        numbers = [int(path.stem.split("-")[1]) for path in self.out_dir.glob(STAGED_GLOB)]
+        numbers = [staged_number(path) for path in self.out_dir.glob(STAGED_GLOB)]
         self.next_number = max(numbers, default=-1) + 1
 
     def add(self, ids: list[str], replies: list[Reply | str]) -> None:
@@ -68,6 +80,7 @@ class StagedFeatures:
         path = self.out_dir / f"fused-{self.next_number:05d}.safetensors"
         tmp = path.with_name(f".{path.name}.tmp")
         save_tensors(tensors, tmp, metadata={"ids": json.dumps(kept), "stamp": json.dumps(self.stamp)})
+        fsync_path(tmp)
         os.replace(tmp, path)  # whole or absent: a crash mid-write leaves only the tmp file
         self.next_number += 1
 
@@ -76,7 +89,7 @@ def _staged_index(out_dir: Path, stamp: dict) -> tuple[dict[str, tuple[str, str]
     """sample id -> (file name, tensor key) of its newest staged features with this `stamp`, and the
     number of staged files made for another setup (ignored)."""
     index, num_other = {}, 0
-    for path in sorted(out_dir.glob(STAGED_GLOB)):
+    for path in sorted(out_dir.glob(STAGED_GLOB), key=staged_number):  # oldest first: the newest wins
         with safe_open(str(path), framework="pt") as staged:
             metadata = staged.metadata()
         if json.loads(metadata["stamp"]) != stamp:

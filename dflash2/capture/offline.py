@@ -12,8 +12,14 @@ Layout of a features directory:
                                   format 2 (features kept during regeneration, `fused.py`) also names
                                   each sample's tensor in its shard (`sample_keys`), whose first
                                   `sample_length` positions are the sample's
-The manifest is written last, by rank 0, after every rank has closed its shards: a crash mid-capture
-leaves no manifest, and a directory without one is refused.
+The manifest is written last, by rank 0, after every rank has closed its shards and every shard is
+on disk (fsynced): a crash mid-capture leaves no manifest, and a directory without one is refused.
+The manifest records each shard's size, checked when training opens the directory.
+
+Resume. Each shard names its samples and what they are features of (`feature_identity` and the
+widths) in its safetensors metadata. A capture into a directory that holds shards of the same setup
+(a crash, a full disk) captures only the samples no shard holds; shards of another setup, shards
+without the metadata and the temporary files of an interrupted write are removed first.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+from collections import OrderedDict
 from pathlib import Path
 
 import torch
@@ -34,6 +42,8 @@ from dflash2.identity import RunIdentity
 from dflash2.safetensors_io import save_tensors
 
 MANIFEST = "manifest.json"
+SHARD_GLOB = "shard-*.safetensors"
+OPEN_SHARDS = 64  # memory-mapped shards a reader keeps open (a map each; see OfflineFeatures)
 FORMAT = "dflash2-features/1"
 FORMAT_KEYED = "dflash2-features/2"  # with sample_keys
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
@@ -59,15 +69,29 @@ def feature_identity(cfg: RunConfig, layer_ids: list[int], identity: RunIdentity
 # ------------------------------------------------------------------ writing
 
 
-class ShardWriter:
-    """Buffers one rank's per-sample features and writes a safetensors shard every `shard_bytes`."""
+def fsync_path(path: Path) -> None:
+    """Flush a file's data, or a directory's entries, to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
-    def __init__(self, out_dir: Path, rank: int, shard_bytes: int) -> None:
-        self.out_dir, self.rank, self.shard_bytes = out_dir, rank, shard_bytes
+
+class ShardWriter:
+    """Buffers one rank's per-sample features and writes a safetensors shard every `shard_bytes`,
+    whole or not at all, on disk when `flush` returns, its samples and `stamp` (what they are
+    features of) in its metadata. `first_number`: the number of its first shard (a resumed capture
+    continues after the shards already there)."""
+
+    def __init__(
+        self, out_dir: Path, rank: int, shard_bytes: int, stamp: dict | None = None, first_number: int = 0
+    ) -> None:
+        self.out_dir, self.rank, self.shard_bytes, self.stamp = out_dir, rank, shard_bytes, stamp
         self.buffer: dict[str, torch.Tensor] = {}
         self.buffered_bytes = 0
         self.sample_shard: dict[int, str] = {}  # sample index -> shard file name
-        self.num_shards = 0
+        self.num_shards = first_number
 
     def add(self, index: int, features: torch.Tensor, last_hidden: torch.Tensor) -> None:
         self.buffer[str(index)] = features.contiguous()
@@ -80,8 +104,15 @@ class ShardWriter:
         if not self.buffer:
             return
         name = f"shard-{self.rank:05d}-{self.num_shards:05d}.safetensors"
-        save_tensors(self.buffer, self.out_dir / name)
-        self.sample_shard.update({int(index): name for index in self.buffer if index.isdigit()})
+        samples = sorted(int(index) for index in self.buffer if index.isdigit())
+        metadata = {"samples": json.dumps(samples)}
+        if self.stamp is not None:
+            metadata["stamp"] = json.dumps(self.stamp, sort_keys=True)
+        tmp = self.out_dir / f".{name}.tmp"
+        save_tensors(self.buffer, tmp, metadata=metadata)
+        fsync_path(tmp)
+        os.replace(tmp, self.out_dir / name)  # whole or absent: a crash mid-write leaves only the tmp
+        self.sample_shard.update(dict.fromkeys(samples, name))
         self.buffer, self.buffered_bytes, self.num_shards = {}, 0, self.num_shards + 1
 
 
@@ -89,11 +120,12 @@ def last_hidden_name(index: int | str) -> str:
     return f"{index}.last_hidden"
 
 
-def _capture_rounds(num_samples: int, rank: int, world_size: int, batch_size: int) -> list[list[int]]:
-    """This rank's batches (samples rank, rank + world, ...), padded with empty batches so that every
-    rank runs the same number of target forwards: the sharded forward is collective."""
-    mine = list(range(rank, num_samples, world_size))
-    num_rounds = math.ceil(math.ceil(num_samples / world_size) / batch_size)
+def _capture_rounds(todo: list[int], rank: int, world_size: int, batch_size: int) -> list[list[int]]:
+    """This rank's batches of the samples `todo` (every world_size-th from its rank), padded with
+    empty batches so that every rank runs the same number of target forwards: the sharded forward
+    is collective."""
+    mine = todo[rank::world_size]
+    num_rounds = math.ceil(math.ceil(len(todo) / world_size) / batch_size)
     batches = [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
     return batches + [[] for _ in range(num_rounds - len(batches))]
 
@@ -110,12 +142,17 @@ def capture_dataset(
     pad_token_id: int,
     batch_size: int,
     shard_bytes: int,
+    todo: list[int] | None = None,
+    stamp: dict | None = None,
+    first_number: int = 0,
 ) -> dict[int, str]:
-    """Capture this rank's share of `dataset` (features and the last hidden state) into shards under
-    `out_dir`; returns sample -> shard name. Collective over the target's group: every rank calls it
-    with the same dataset."""
-    writer = ShardWriter(out_dir, backend.rank, shard_bytes)
-    for indices in _capture_rounds(len(dataset), backend.rank, backend.world_size, batch_size):
+    """Capture this rank's share of `todo` (default: the whole dataset) into shards under `out_dir`
+    (features and the last hidden state; `stamp` and `first_number` as in ShardWriter); returns
+    sample -> shard name. Collective over the target's group: every rank calls it with the same
+    dataset and `todo`."""
+    todo = list(range(len(dataset))) if todo is None else todo
+    writer = ShardWriter(out_dir, backend.rank, shard_bytes, stamp, first_number)
+    for indices in _capture_rounds(todo, backend.rank, backend.world_size, batch_size):
         capture_into(writer, backend, target, dataset, indices, layer_ids, hidden_size, pad_token_id)
     writer.flush()
     return writer.sample_shard
@@ -148,12 +185,16 @@ def write_manifest(
     meta: dict,
     sample_keys: list[str] | None = None,
 ) -> None:
-    """Atomically write the manifest (rank 0, after all shards exist); `sample_keys`: each sample's
-    tensor name in its shard (format 2; default: the sample's index)."""
+    """Write the manifest (rank 0, after all shards exist), atomically and on disk after every shard
+    it names; `sample_keys`: each sample's tensor name in its shard (format 2; default: the sample's
+    index). It records each shard's size in bytes, which the reader checks."""
     num_samples = len(lengths)
     missing = [i for i in range(num_samples) if i not in sample_shard]
     assert not missing, f"no shard holds samples {missing[:10]}"
     shards = sorted(set(sample_shard.values()))
+    for name in shards:
+        fsync_path(out_dir / name)
+    fsync_path(out_dir)  # the shards' names before the manifest that lists them
     shard_index = {name: i for i, name in enumerate(shards)}
     manifest = {
         "format": FORMAT if sample_keys is None else FORMAT_KEYED,
@@ -161,14 +202,78 @@ def write_manifest(
         **meta,
         "num_samples": num_samples,
         "shards": shards,
+        "shard_bytes": [(out_dir / name).stat().st_size for name in shards],
         "sample_shard": [shard_index[sample_shard[i]] for i in range(num_samples)],
         "sample_length": lengths,
     }
     if sample_keys is not None:
         manifest["sample_keys"] = sample_keys
     tmp = out_dir / f".{MANIFEST}.tmp"
-    tmp.write_text(json.dumps(manifest) + "\n")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(manifest) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, out_dir / MANIFEST)
+    fsync_path(out_dir)
+
+
+def shard_stamp(identity: dict, meta: dict) -> dict:
+    """What a shard's features are features of: the directory's identity and the widths."""
+    return {**identity, **meta}
+
+
+def _shard_number(name: str) -> tuple[int, int]:
+    """(rank, number) of `shard-RRRRR-NNNNN.safetensors`."""
+    _, rank, number = Path(name).stem.split("-")
+    return int(rank), int(number)
+
+
+def scan_shards(out_dir: Path, stamp: dict, num_samples: int) -> tuple[dict[int, str], list[str]]:
+    """The samples the complete shards of `stamp` in `out_dir` hold (sample -> shard name), and the
+    files a capture of `stamp` cannot use (removed by the caller): shards of another setup or
+    without the metadata, and the temporary files of interrupted writes."""
+    held, unusable = {}, [path.name for path in out_dir.glob(".shard-*.tmp")]
+    wanted = json.dumps(stamp, sort_keys=True)
+    for path in sorted(out_dir.glob(SHARD_GLOB)):
+        try:
+            with safe_open(str(path), framework="pt") as shard:
+                metadata = shard.metadata() or {}
+        except Exception:  # not a safetensors file (cut short by something else than our writer)
+            metadata = {}
+        samples = json.loads(metadata.get("samples", "null") or "null")
+        if metadata.get("stamp") != wanted or samples is None or any(i >= num_samples for i in samples):
+            unusable.append(path.name)
+            continue
+        held.update(dict.fromkeys(samples, path.name))
+    return held, unusable
+
+
+def _capture_plan(out_dir: Path, stamp: dict, lengths: list[int], token_bytes: int) -> dict:
+    """Rank 0's start of a capture into `out_dir`: remove what it cannot use, find what it holds, and
+    check that the rest fits on its file system. Returns {"held": sample -> shard, "error": message
+    or None, "note": a line to print or None}."""
+    (out_dir / MANIFEST).unlink(missing_ok=True)  # the old one would describe shards about to change
+    held, unusable = scan_shards(out_dir, stamp, len(lengths))
+    for name in unusable:
+        (out_dir / name).unlink(missing_ok=True)
+    remaining = sum(n for i, n in enumerate(lengths) if i not in held) * token_bytes
+    free = shutil.disk_usage(out_dir).free
+    note = None
+    if held:
+        shards = len(set(held.values()))
+        note = f"resuming the capture in {out_dir}: {len(held)} of {len(lengths)} samples are in {shards} shards already"
+    if unusable:
+        note = (
+            note + "; " if note else ""
+        ) + f"removed {len(unusable)} shard files of another setup or cut short"
+    error = None
+    if remaining > free:
+        error = (
+            f"capturing the remaining {len(lengths) - len(held)} samples needs about {remaining / 2**30:.1f} GiB "
+            f"in {out_dir}, which has {free / 2**30:.1f} GiB free: free some space or choose another --out "
+            "(a capture interrupted by a full disk resumes where it stopped)"
+        )
+    return {"held": held, "error": error, "note": note}
 
 
 def capture_to_dir(
@@ -186,12 +291,28 @@ def capture_to_dir(
     identity: RunIdentity | None = None,
 ) -> Path:
     """The whole offline capture of run `cfg` into `out_dir` (collective over the target's group):
-    shards from every rank, then the manifest from rank 0 (`identity`: as in feature_identity)."""
+    shards from every rank, then the manifest from rank 0 (`identity`: as in feature_identity). What
+    complete shards of the same setup already hold there is not captured again (the module's
+    "Resume")."""
     out_dir = Path(out_dir)
+    directory_identity = feature_identity(cfg, layer_ids, identity)
+    meta = {"feature_dim": hidden_size * len(layer_ids), "last_hidden_dim": hidden_size}
+    stamp = shard_stamp(directory_identity, meta)
+    lengths = [len(ids) for ids in dataset["input_ids"]]
+    plan = None
     if backend.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / MANIFEST).unlink(missing_ok=True)  # the old one would describe shards about to change
-    backend.barrier()
+        token_bytes = (len(layer_ids) + 1) * hidden_size * cfg.target_torch_dtype.itemsize
+        plan = _capture_plan(out_dir, stamp, lengths, token_bytes)
+    plans = [None] * backend.world_size
+    dist.all_gather_object(plans, plan, group=backend.target_group)
+    plan = next(p for p in plans if p is not None)
+    if plan["error"]:
+        raise ValueError(plan["error"])
+    if backend.is_main and plan["note"]:
+        print(f"[dflash2] {plan['note']}", flush=True)
+    held = plan["held"]
+    numbers = [number for rank, number in map(_shard_number, set(held.values())) if rank == backend.rank]
     sample_shard = capture_dataset(
         backend,
         target,
@@ -202,14 +323,15 @@ def capture_to_dir(
         pad_token_id=pad_token_id,
         batch_size=batch_size,
         shard_bytes=shard_bytes,
+        todo=[i for i in range(len(lengths)) if i not in held],
+        stamp=stamp,
+        first_number=max(numbers, default=-1) + 1,
     )
     gathered = [None] * backend.world_size
     dist.all_gather_object(gathered, sample_shard, group=backend.target_group)
     if backend.is_main:
-        merged = {index: name for part in gathered for index, name in part.items()}
-        lengths = [len(ids) for ids in dataset["input_ids"]]
-        meta = {"feature_dim": hidden_size * len(layer_ids), "last_hidden_dim": hidden_size}
-        write_manifest(out_dir, feature_identity(cfg, layer_ids, identity), merged, lengths, meta)
+        merged = {**held, **{index: name for part in gathered for index, name in part.items()}}
+        write_manifest(out_dir, directory_identity, merged, lengths, meta)
         print(f"[dflash2] captured {len(lengths)} samples into {out_dir}", flush=True)
     backend.barrier()
     return out_dir
@@ -264,7 +386,11 @@ class OfflineFeatures:
                 f"{self.features_dir} (or train these features with objective.kl_weight=0, "
                 "objective.tv_weight=0 and objective.labels=data)"
             )
-        self._files: dict[int, object] = {}  # shard index -> open safetensors handle (memory-mapped)
+        self._check_shard_sizes()
+        # shard index -> open safetensors handle, the OPEN_SHARDS most recently read: each holds a
+        # memory map, and a long run reads every shard (a 1M-sample capture has tens of thousands,
+        # past Linux's default of 65530 maps a process may hold)
+        self._files: OrderedDict[int, object] = OrderedDict()
 
     def check_samples(self, dataset) -> None:
         """The features are those of this run's samples, index by index: as many samples, each as long
@@ -307,12 +433,29 @@ class OfflineFeatures:
             f"{expected}"
         )
 
+    def _check_shard_sizes(self) -> None:
+        """Every shard the manifest names is there, as large as when it was written (a directory
+        copied in part, a file cut short): refused at start rather than hours into a run."""
+        sizes = self.manifest.get("shard_bytes")  # absent in directories written before it was recorded
+        for i, name in enumerate(self.manifest["shards"]):
+            path = self.features_dir / name
+            found = path.stat().st_size if path.is_file() else None
+            if found is None or (sizes is not None and found != sizes[i]):
+                state = "is missing" if found is None else f"has {found} bytes, {sizes[i]} when written"
+                raise ValueError(
+                    f"data.features_dir={str(self.features_dir)!r}: shard {name} {state}; copy the directory "
+                    f"again, or recapture: data_prep/capture.py --config <this run's config> --out {self.features_dir}"
+                )
+
     def _shard(self, shard: int):
-        if shard not in self._files:
-            self._files[shard] = safe_open(
-                str(self.features_dir / self.manifest["shards"][shard]), framework="pt"
-            )
-        return self._files[shard]
+        if shard in self._files:
+            self._files.move_to_end(shard)
+            return self._files[shard]
+        if len(self._files) >= OPEN_SHARDS:
+            self._files.popitem(last=False)  # its map goes with the handle (read tensors are copies)
+        handle = safe_open(str(self.features_dir / self.manifest["shards"][shard]), framework="pt")
+        self._files[shard] = handle
+        return handle
 
     def sample(self, index: int) -> torch.Tensor:
         """Features of sample `index`: [S_i, K*H] (then its last hidden state: [S_i, K*H + H] when
