@@ -20,7 +20,7 @@ import os
 import random
 import re
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -272,17 +272,14 @@ def save_checkpoint(
     train_state: dict,
     keep_last: int,
     generators: dict[str, torch.Generator] | None = None,
-    set_aside_after: int | None = None,
 ) -> Path:
     """Write checkpoint `step` (collective: every rank calls it); returns its final directory.
 
     `train_state` is JSON the loop needs to continue (epoch, batch position in the epoch, ...); the
     global step is stored with it. `generators` are named torch generators the loop draws from
-    (e.g. anchor sampling), saved per rank beside the global RNG states. `set_aside_after`: the step
-    a launch started from, passed with its first save: the complete checkpoints of later steps are
-    another run's (one this launch replaces) and are moved to `checkpoints/set_aside/`, so that
-    neither `latest` nor the rotation mixes the two runs. A complete checkpoint of this very step
-    is always set aside, never deleted.
+    (e.g. anchor sampling), saved per rank beside the global RNG states. A complete checkpoint of
+    this very step already there (another run's: `set_aside_later_checkpoints`) is set aside, never
+    deleted, and put back if the new one cannot be renamed into place.
     """
     if keep_last < 1:
         raise ValueError(f"keep_last must be >= 1, got {keep_last}")
@@ -316,9 +313,7 @@ def save_checkpoint(
         with _cleanup_on_write_error(backend, root, final, tmp):
             _fsync_write(tmp / COMPLETE, json.dumps({"step": step, "world_size": backend.world_size}))
             _fsync(tmp)
-            moved = _set_aside(root, step, set_aside_after)
-            if set_aside_after is not None:  # this launch's first save: what crashed saves left behind
-                _remove_leftovers(root, keep=tmp)
+            moved = _set_aside(root, lambda n: n == step)
             try:
                 if final.exists():  # a partial directory of this step (a complete one was set aside)
                     _remove_checkpoint(final)
@@ -332,38 +327,50 @@ def save_checkpoint(
             _write_latest(root, final.name)
         _rotate(root, keep_last, keep=final.name)
         if moved:
-            print(
-                f"[dflash2] set aside {len(moved)} checkpoint(s) of another run, of steps after this "
-                f"launch's start, so that they are neither resumed nor rotated with this run's: "
-                f"{', '.join(str(aside) for _, aside in moved)}. Resume one with train.resume=<its directory>, "
-                "or delete them.",
-                flush=True,
-            )
+            print(f"[dflash2] set aside another run's checkpoint of step {step}: {moved[0][1]}", flush=True)
     backend.barrier()
     return final
 
 
-def _remove_leftovers(root: Path, keep: Path) -> None:
-    """Remove what an interrupted save or deletion left in `root` (the `.tmp-step_*` directories but
-    `keep`, and `step_*` directories without COMPLETE): none is a checkpoint, and each may hold a
-    whole draft and its optimizer state."""
+def set_aside_later_checkpoints(backend: Backend, run_dir: Path, start_step: int) -> None:
+    """At the start of a launch that starts at `start_step` (0: a fresh run; else the step resumed
+    from; collective): the complete checkpoints of later steps in `run_dir` are another run's, one
+    this launch replaces (train.resume=none, or an earlier checkpoint resumed), and are moved to
+    `checkpoints/set_aside/`, so that neither `latest` nor the rotation mixes the two runs, as the
+    metrics.jsonl and TensorBoard logs, trimmed to `start_step` at the same moment, do not; what
+    interrupted saves and deletions left goes too."""
+    root = Path(run_dir) / CHECKPOINTS
+    if backend.is_main and root.is_dir():
+        _remove_leftovers(root)
+        moved = _set_aside(root, lambda n: n > start_step)
+        if moved:
+            print(
+                f"[dflash2] set aside {len(moved)} checkpoint(s) of another run, of steps after this "
+                f"launch's start (step {start_step}), so that they are neither resumed nor rotated with this "
+                f"run's: {', '.join(str(aside) for _, aside in moved)}. Resume one with "
+                "train.resume=<its directory>, or delete them.",
+                flush=True,
+            )
+    backend.barrier()
+
+
+def _remove_leftovers(root: Path) -> None:
+    """Remove what an interrupted save or deletion left in `root` (`.tmp-step_*` directories, and
+    `step_*` directories without COMPLETE): none is a checkpoint, and each may hold a whole draft
+    and its optimizer state."""
     for path in root.iterdir():
         partial_step = STEP_DIR.fullmatch(path.name) and not (path / COMPLETE).is_file()
-        stale_tmp = path.name.startswith(f"{TMP_PREFIX}{STEP_PREFIX}") and path != keep
+        stale_tmp = path.name.startswith(f"{TMP_PREFIX}{STEP_PREFIX}")
         if path.is_dir() and (partial_step or stale_tmp):
             shutil.rmtree(path)
 
 
-def _set_aside(root: Path, step: int, after: int | None) -> list[tuple[Path, Path]]:
-    """Move the complete checkpoints of `step`, and of every step after `after` (None: none), to
-    `root/set_aside/` (a name taken there gets a suffix); returns (where it was, where it went) of
-    each. Each move is one rename: nothing is copied, and a crash between two moves leaves every
-    checkpoint complete in one place or the other."""
-    later = [
-        path
-        for path in _complete_step_dirs(root)
-        if (n := int(STEP_DIR.fullmatch(path.name)[1])) == step or (after is not None and n > after)
-    ]
+def _set_aside(root: Path, of_step: Callable[[int], bool]) -> list[tuple[Path, Path]]:
+    """Move the complete checkpoints whose step `of_step` selects to `root/set_aside/` (a name taken
+    there gets a suffix); returns (where it was, where it went) of each. Each move is one rename:
+    nothing is copied, and a crash between two moves leaves every checkpoint complete in one place
+    or the other."""
+    later = [path for path in _complete_step_dirs(root) if of_step(int(STEP_DIR.fullmatch(path.name)[1]))]
     if not later:
         return []
     aside = root / SET_ASIDE

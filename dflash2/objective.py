@@ -815,6 +815,5 @@ def summarize_metrics(sums: dict[str, torch.Tensor], alpha: float) -> dict[str, 
         out["est_accept_len_selector"] = estimated_acceptance_length(sel_acc)
         out["insample_accept_len_selector"] = float(sums["accept_len_selector_sum"]) / blocks
         selector = float(sums["selector_loss_sum"])
-    out["loss"] = loss = total_loss(float(sums["base_loss_sum"]), selector, alpha, w)
-    assert math.isfinite(loss), "non-finite loss"
+    out["loss"] = total_loss(float(sums["base_loss_sum"]), selector, alpha, w)
     return out

@@ -7,6 +7,7 @@ Every rank runs the same calls in the same order; rank 0 only guards file writes
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -19,10 +20,17 @@ from transformers import PreTrainedTokenizerBase
 
 from dflash2.capture.features import FeatureSource, split_last_hidden, target_features
 from dflash2.capture.offline import OfflineFeatures, feature_identity
-from dflash2.checkpoint import TrainState, check_resume, load_checkpoint, save_checkpoint
+from dflash2.checkpoint import (
+    TrainState,
+    check_resume,
+    load_checkpoint,
+    save_checkpoint,
+    set_aside_later_checkpoints,
+)
 from dflash2.config import RunConfig, torch_dtype
 from dflash2.data.loader import StepBatch, anchor_generators, collate, step_batches
 from dflash2.distributed import Backend
+from dflash2.errors import ReportedError
 from dflash2.export import export_draft
 from dflash2.faults import collective_section, stop_request, write_stop_marker
 from dflash2.hardware import warn_if_slow_bf16
@@ -266,9 +274,7 @@ def all_reduce_metrics(backend: Backend, sums: dict[str, torch.Tensor]) -> dict[
 # ------------------------------------------------------------------ loop
 
 
-def save(setup: Setup, state: TrainState, start: int | None) -> Path:
-    """Checkpoint `state`; `start`: the step this launch started from, with its first save (the
-    checkpoints of later steps in the run directory are then another run's, and are set aside)."""
+def save(setup: Setup, state: TrainState) -> Path:
     with collective_section(f"saving the checkpoint of step {state.step}"):
         return save_checkpoint(
             setup.backend,
@@ -278,7 +284,6 @@ def save(setup: Setup, state: TrainState, start: int | None) -> Path:
             contract=setup.contract,
             train_state=vars(state),
             keep_last=setup.cfg.train.keep_last,
-            set_aside_after=start,
         )
 
 
@@ -337,12 +342,35 @@ def _fit(setup: Setup, timer: StepTimer | None, stop_vote: Callable[[], bool] | 
     timer = timer or StepTimer(backend.device)
     stop_request.stopped = False  # an earlier fit's in this process
     state = _resume(setup)
-    logger = TrainLogger(setup.plan.run_dir, t, start_step=state.step, enabled=backend.is_main)
+    start = state.step
+    with collective_section("setting aside the checkpoints of steps after this launch's start"):
+        set_aside_later_checkpoints(backend, setup.plan.run_dir, start)  # as the logs below trim theirs
+    logger = TrainLogger(setup.plan.run_dir, t, start_step=start, enabled=backend.is_main)
+    try:
+        summary, saved, saved_step = _loop(setup, state, logger, timer, stop_vote)
+    except BaseException:
+        logger.close()  # what was logged reaches the disk
+        raise
+    if state.step > saved_step:  # nothing new to save when a stop came before this launch's first step
+        saved = save(setup, state)
+    _finish(setup, state, saved, logger, start)
+    return summary
+
+
+def _loop(
+    setup: Setup,
+    state: TrainState,
+    logger: TrainLogger,
+    timer: StepTimer,
+    stop_vote: Callable[[], bool] | None,
+) -> tuple[dict[str, float], Path | None, int]:
+    """The steps from `state` to train.last_step, or to a stop every rank agreed on, with the periodic
+    checkpoints; returns the last step's metrics, the latest checkpoint and its step."""
+    backend, t = setup.backend, setup.cfg.train
     order = (len(setup.dataset), t.micro_batch_size, t.grad_accum_steps, setup.cfg.seed, backend.rank)
     steps = step_batches(*order, backend.draft_world_size, epoch=state.epoch, start_step=state.step_in_epoch)
     summary: dict[str, float] = {}
     saved, saved_step = setup.plan.resume_from, state.step
-    start = state.step  # until this launch's first save, saved_step == start
     while state.step < t.last_step:
         with collective_section(f"the stop vote before step {state.step + 1}"):
             if stop_request.agreed(backend, stop_vote() if stop_vote else None):
@@ -356,13 +384,27 @@ def _fit(setup: Setup, timer: StepTimer | None, stop_vote: Callable[[], bool] | 
         state.step += 1
         summary = setup.objective.summarize(sums)
         logger.log(state.step, summary, sums, timing, timer.step_seconds())
+        check_finite(state.step, summary, timing, saved)
         if t.save_every and state.step % t.save_every == 0 and state.step < t.last_step:
-            saved, saved_step = save(setup, state, start if saved_step == start else None), state.step
+            saved, saved_step = save(setup, state), state.step
     timer.finish()
-    if state.step > saved_step:  # nothing new to save when a stop came before this launch's first step
-        saved = save(setup, state, start if saved_step == start else None)
-    _finish(setup, state, saved, logger, start)
-    return summary
+    return summary, saved, saved_step
+
+
+def check_finite(step: int, summary: dict[str, float], timing: dict, saved: Path | None) -> None:
+    """Stop a run whose loss or gradient went non-finite, naming the step and the terms (the same on
+    every rank: the values are reduced over ranks); its weights are not checkpointed."""
+    values = {"loss": summary["loss"], "base_loss": summary["base_loss"], "grad_norm": timing["grad_norm"]}
+    if summary.get("selector_weight_fraction", 0) > 0:  # NaN by definition over no selector slot
+        values["selector_loss"] = summary["selector_loss"]
+    bad = {name: value for name, value in values.items() if not math.isfinite(value)}
+    if bad:
+        terms = ", ".join(f"{name} {value}" for name, value in bad.items())
+        raise ReportedError(
+            f"training diverged at step {step}: {terms}. Its update is not checkpointed; resume from the latest "
+            f"checkpoint ({saved or 'none: start again'}) with a lower train.lr or more "
+            "train.warmup_steps"
+        )
 
 
 def _resume(setup: Setup) -> TrainState:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -17,6 +18,7 @@ class TrainLogger:
         self.log_every = train.log_every
         self.max_steps = train.max_steps
         self.writer = self.bar = None
+        self.unprinted: str | None = None  # the console line of the last step logged, until printed
         if not enabled:
             return
         from torch.utils.tensorboard import SummaryWriter
@@ -46,32 +48,45 @@ class TrainLogger:
         )
         for name, value in scalars.items():
             self.writer.add_scalar(f"train/{name}", value, step)
-        self.jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
+        # NaN and inf are not JSON (json.dumps writes them bare, which strict readers refuse): null
+        record = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in scalars.items()}
+        self.jsonl.write(json.dumps({"step": step, **record}) + "\n")
         self.jsonl.flush()
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{summary['loss']:.3f}", acc=f"{summary['accuracy']:.3f}")
-        if step % self.log_every == 0 or step == self.max_steps:
-            line = (
-                f"step {step}/{self.max_steps} | loss {summary['loss']:.4f} | acc {summary['accuracy']:.3f}"
-                f" | top-k cov {summary['topk_coverage']:.3f}"
-            )
-            if "selector_accuracy" in summary:
-                line += f" | sel acc {summary['selector_accuracy']:.3f}"
-                line += f" | tau {summary['insample_accept_len']:.2f}/{summary['insample_accept_len_selector']:.2f}"
-                line += f" (est {summary['est_accept_len']:.2f}/{summary['est_accept_len_selector']:.2f})"
-            else:
-                line += f" | tau {summary['insample_accept_len']:.2f} (est {summary['est_accept_len']:.2f})"
-            line += distill_terms(summary)
+        line = (
+            f"step {step}/{self.max_steps} | loss {summary['loss']:.4f} | acc {summary['accuracy']:.3f}"
+            f" | top-k cov {summary['topk_coverage']:.3f}"
+        )
+        if "selector_accuracy" in summary:
+            line += f" | sel acc {summary['selector_accuracy']:.3f}"
             line += (
-                f" | lr {timing['lr']:.2e} | {scalars['tokens_per_s']:.0f} tok/s"
-                f" | capture {100 * scalars['capture_fraction']:.0f}%"
+                f" | tau {summary['insample_accept_len']:.2f}/{summary['insample_accept_len_selector']:.2f}"
             )
-            (tqdm.write if self.bar is not None else print)(line)
+            line += f" (est {summary['est_accept_len']:.2f}/{summary['est_accept_len_selector']:.2f})"
+        else:
+            line += f" | tau {summary['insample_accept_len']:.2f} (est {summary['est_accept_len']:.2f})"
+        line += distill_terms(summary)
+        line += (
+            f" | lr {timing['lr']:.2e} | {scalars['tokens_per_s']:.0f} tok/s"
+            f" | capture {100 * scalars['capture_fraction']:.0f}%"
+        )
+        self.unprinted = line
+        if step % self.log_every == 0 or step == self.max_steps:
+            self.print_last()
+
+    def print_last(self) -> None:
+        """Print the last step's console line, unless it was printed (every log_every steps, and the
+        last step of a launch, which may end before max_steps: stop_at_step, a stop signal)."""
+        if self.unprinted is not None:
+            (tqdm.write if self.bar is not None else print)(self.unprinted)
+            self.unprinted = None
             self.writer.flush()
 
     def close(self) -> None:
         if self.writer is not None:
+            self.print_last()
             self.writer.close()
             self.jsonl.close()
         if self.bar is not None:

@@ -141,3 +141,58 @@ def test_a_failed_one_process_run_leaves_no_process_group_or_launcher_variables(
         run(cfg)
     assert not dist.is_initialized()  # before: the group stayed, and RANK=0 ... reached every child
     assert [name for name in names if name in os.environ] == []
+
+
+def logged_steps(run_dir: Path) -> list[int]:
+    import json
+
+    return [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_launch_that_stops_before_its_first_save_leaves_logs_and_checkpoints_in_step(
+    overrides, tmp_path, capsys
+):
+    """Resumed from step 4 of a run that went on to step 6, and stopped before its first step: the
+    logs keep steps 1-4, and the checkpoints agree (step 6 set aside at the same moment). Before, the
+    next resume=auto continued from step 6 with steps 5-6 gone from both logs."""
+    run = tmp_path / "run"
+    more = ["train.max_steps=6", "train.save_every=2", "train.log_every=4"]
+    dflash2.fit(setup_of(overrides, run, *more))
+    assert "step 6/6" in capsys.readouterr().out
+    resumed = setup_of(overrides, run, *more, f"train.resume={run / 'checkpoints' / 'step_00000004'}")
+    dflash2.fit(resumed, stop_vote=lambda: True)
+    assert logged_steps(run) == [1, 2, 3, 4]
+    again = setup_of(overrides, run, *more, "train.max_steps=8", "train.stop_at_step=7")
+    assert again.plan.start.step == 4  # before: 6
+    dflash2.fit(again)
+    assert logged_steps(run) == [1, 2, 3, 4, 5, 6, 7]
+    assert "step 7/8" in capsys.readouterr().out  # the launch's last step, though log_every is 4
+
+
+def test_a_diverged_step_is_logged_and_stops_the_run_naming_it(overrides, tmp_path, monkeypatch):
+    import json
+
+    import dflash2.train as train
+
+    compute = train.compute_objective
+
+    def nan_at_step_2(*args, **kwargs):
+        out = compute(*args, **kwargs)
+        if nan_at_step_2.calls == 1:
+            out.loss_sum = out.loss_sum * float("nan")
+            out.metrics["base_loss_sum"] = out.metrics["base_loss_sum"] * float("nan")
+        nan_at_step_2.calls += 1
+        return out
+
+    nan_at_step_2.calls = 0
+    monkeypatch.setattr(train, "compute_objective", nan_at_step_2)
+    setup = setup_of(overrides, tmp_path / "run", "train.max_steps=4", "train.micro_batch_size=4")
+    with pytest.raises(
+        dflash2.errors.ReportedError,
+        match="training diverged at step 2: loss nan, base_loss nan, grad_norm nan",
+    ):
+        dflash2.fit(setup)
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    record = json.loads(lines[-1], parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
+    assert record["step"] == 2 and record["loss"] is None  # before: no line, or a bare NaN
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -23,6 +23,7 @@ from dflash2.checkpoint import (
     load_checkpoint,
     resume_point,
     save_checkpoint,
+    set_aside_later_checkpoints,
     validate_contract,
 )
 from dflash2.distributed import state_io
@@ -148,11 +149,11 @@ def test_a_fresh_run_sets_aside_another_runs_later_checkpoints(tmp_path, capsys)
     root = tmp_path / "checkpoints"
     for step in (2, 4, 6):  # another run's, in the same directory
         save(FakeBackend(weight=float(step)), tmp_path, step)
-    # a launch that started at step 0 (resume=none) saves step 2 first, then 4 and 6
-    save(FakeBackend(weight=-2.0), tmp_path, 2, keep_last=2, set_aside_after=0)
+    # a launch that starts at step 0 (resume=none), then saves steps 2, 4 and 6
+    set_aside_later_checkpoints(FakeBackend(), tmp_path, 0)
     assert "set aside 3 checkpoint(s) of another run" in capsys.readouterr().out
-    assert find_latest(tmp_path) == root / "step_00000002"
-    for step in (4, 6):
+    assert find_latest(tmp_path) is None  # `latest` named a checkpoint set aside: nothing to resume
+    for step in (2, 4, 6):
         save(FakeBackend(weight=-float(step)), tmp_path, step, keep_last=2)
     # the rotation kept this run's last two; none of the other run's was deleted or resumed
     assert sorted(p.name for p in root.glob("step_*")) == ["step_00000004", "step_00000006"]
@@ -168,7 +169,9 @@ def test_a_fresh_run_sets_aside_another_runs_later_checkpoints(tmp_path, capsys)
     for leftover in (".tmp-step_00000009", "step_00000008"):
         (root / leftover).mkdir()
         (root / leftover / "draft.safetensors").write_text("partial")
-    save(FakeBackend(weight=5.0), tmp_path, 5, set_aside_after=4)
+    set_aside_later_checkpoints(FakeBackend(), tmp_path, 4)
+    assert find_latest(tmp_path) == root / "step_00000004"
+    save(FakeBackend(weight=5.0), tmp_path, 5)
     assert sorted(p.name for p in root.glob("step_*")) == ["step_00000004", "step_00000005"]
     assert (aside / "step_00000006-2" / "COMPLETE").is_file()
     assert not list(root.glob(".tmp-*"))
