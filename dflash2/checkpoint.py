@@ -37,7 +37,7 @@ from dflash2.distributed.state_io import check_backend_meta
 from dflash2.errors import ReportedError
 from dflash2.identity import RunIdentity
 from dflash2.models.config import load_config_dict
-from dflash2.safetensors_io import save_tensors
+from dflash2.safetensors_io import fsync_path, save_tensors
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -81,21 +81,12 @@ def _fsync_write(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync(path: Path) -> None:
-    """Flush a file's data, or a directory's entries, to the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(root: Path) -> None:
     """fsync every file under `root`, then every directory, deepest first (root last)."""
     for directory, _, files in os.walk(root, topdown=False):
         for name in files:
-            _fsync(Path(directory) / name)
-        _fsync(Path(directory))
+            fsync_path(Path(directory) / name)
+        fsync_path(Path(directory))
 
 
 def _remove_checkpoint(path: Path) -> None:
@@ -104,7 +95,7 @@ def _remove_checkpoint(path: Path) -> None:
     marker = path / COMPLETE
     if marker.exists():
         marker.unlink()
-        _fsync(path)
+        fsync_path(path)
     shutil.rmtree(path)
 
 
@@ -310,26 +301,32 @@ def save_checkpoint(
     backend.barrier()
 
     if backend.is_main:
-        with _cleanup_on_write_error(backend, root, final, tmp):
-            _fsync_write(tmp / COMPLETE, json.dumps({"step": step, "world_size": backend.world_size}))
-            _fsync(tmp)
-            moved = _set_aside(root, lambda n: n == step)
-            try:
-                if final.exists():  # a partial directory of this step (a complete one was set aside)
-                    _remove_checkpoint(final)
-                os.rename(tmp, final)
-            except OSError:
-                for place, aside in moved:  # back where `latest` and a resume find them
-                    os.rename(aside, place)
-                raise
-        with _cleanup_on_write_error(backend, root, final, final):
-            _fsync(root)
-            _write_latest(root, final.name)
-        _rotate(root, keep_last, keep=final.name)
-        if moved:
-            print(f"[dflash2] set aside another run's checkpoint of step {step}: {moved[0][1]}", flush=True)
+        _publish(backend, root, tmp, final, step, keep_last)
     backend.barrier()
     return final
+
+
+def _publish(backend: Backend, root: Path, tmp: Path, final: Path, step: int, keep_last: int) -> None:
+    """Rank 0's end of a save: COMPLETE, the rename into place (a complete checkpoint of this step
+    set aside first, put back if the rename fails), `latest`, the rotation."""
+    with _cleanup_on_write_error(backend, root, final, tmp):
+        _fsync_write(tmp / COMPLETE, json.dumps({"step": step, "world_size": backend.world_size}))
+        fsync_path(tmp)
+        moved = _set_aside(root, lambda n: n == step)
+        try:
+            if final.exists():  # a partial directory of this step (a complete one was set aside)
+                _remove_checkpoint(final)
+            os.rename(tmp, final)
+        except OSError:
+            for place, aside in moved:  # back where `latest` and a resume find them
+                os.rename(aside, place)
+            raise
+    with _cleanup_on_write_error(backend, root, final, final):
+        fsync_path(root)
+        _write_latest(root, final.name)
+    _rotate(root, keep_last, keep=final.name)
+    if moved:
+        print(f"[dflash2] set aside another run's checkpoint of step {step}: {moved[0][1]}", flush=True)
 
 
 def set_aside_later_checkpoints(backend: Backend, run_dir: Path, start_step: int) -> None:
@@ -383,8 +380,8 @@ def _set_aside(root: Path, of_step: Callable[[int], bool]) -> list[tuple[Path, P
             dest = aside / f"{path.name}-{n}"
         os.rename(path, dest)
         moved.append((path, dest))
-    _fsync(aside)
-    _fsync(root)
+    fsync_path(aside)
+    fsync_path(root)
     return moved
 
 
@@ -418,7 +415,7 @@ def _write_latest(root: Path, name: str) -> None:
     tmp = root / f"{TMP_PREFIX}{LATEST}"
     _fsync_write(tmp, name + "\n")
     os.replace(tmp, root / LATEST)
-    _fsync(root)
+    fsync_path(root)
 
 
 def _complete_step_dirs(root: Path) -> list[Path]:

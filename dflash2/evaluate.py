@@ -292,33 +292,49 @@ def compare_drafts(
     """Decode every prompt (token ids) with each draft and summarise: (summary, results) per draft,
     each as that draft evaluated alone would give it (every draft samples from its own generator
     seeded with `seed`). `compare_target`: every prompt is also decoded once by the target alone
-    (greedy), and each summary gets `speed_summary` (every draft's speedup over the same target
-    decodes) and `prompt_lookup_summary`. The decodes of prompt i run in turn starting from the
-    (i mod n)-th of [target alone, drafts...] (n decodes a prompt), so each goes first as often as
-    the others and the machine's load weighs on all alike. `clock`: what the wall times are read from."""
+    (greedy, or sampled at the temperature from a generator of its own), and each summary gets
+    `speed_summary` (every draft's speedup over the same target decodes) and, greedy,
+    `prompt_lookup_summary`. The decodes of prompt i run in turn starting from the (i mod n)-th of
+    [target alone, drafts...] (n decodes a prompt), so each goes first as often as the others and
+    the machine's load weighs on all alike. `clock`: what the wall times are read from."""
     if not drafts:
         raise ValueError("compare_drafts needs at least one draft")
+    warm_up(
+        drafts, target, head, prompts[0], compare_target, min(max_new_tokens, WARM_UP_TOKENS), temperature
+    )
+    common = dict(max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, clock=clock)
+    results, target_results = _decode_in_turns(
+        drafts, target, head, prompts, compare_target, temperature, seed, common
+    )
+    evaluated = []
+    for draft, draft_results in zip(drafts, results):
+        summary = summarize(draft_results, draft.block_size)
+        if compare_target:
+            summary.update(speed_summary(draft_results, target_results, greedy=temperature == 0))
+            if temperature == 0:  # a greedy verification of the target's greedy outputs
+                summary.update(prompt_lookup_summary(prompts, target_results, draft.block_size))
+        evaluated.append((summary, draft_results))
+    return evaluated
+
+
+def _decode_in_turns(
+    drafts, target, head, prompts, compare_target: bool, temperature: float, seed: int, common: dict
+) -> tuple[list[list[GenerationResult]], list[TargetResult]]:
+    """The timed decodes of `compare_drafts`: each draft's results, and the target alone's."""
     device = next(target.parameters()).device
     generators = [torch.Generator(device=device).manual_seed(seed) for _ in drafts]
     # at a temperature the target alone samples too: the same distribution of outputs (and lengths)
     # that lossless speculative sampling draws from, so that the speeds compare like with like
     target_generator = torch.Generator(device=device).manual_seed(seed)
-    common = dict(max_new_tokens=max_new_tokens, stop_token_ids=stop_token_ids, clock=clock)
     results: list[list[GenerationResult]] = [[] for _ in drafts]
     target_results: list[TargetResult] = []
     decoders = ([None] if compare_target else []) + list(range(len(drafts)))  # None: the target alone
-    warm_up(
-        drafts, target, head, prompts[0], compare_target, min(max_new_tokens, WARM_UP_TOKENS), temperature
-    )
     for index, ids in enumerate(prompts):
         turn = index % len(decoders)
         for which in decoders[turn:] + decoders[:turn]:
             if which is None:
-                target_results.append(
-                    timed_target_generate(
-                        target, ids, temperature=temperature, generator=target_generator, **common
-                    )
-                )
+                sampling = dict(temperature=temperature, generator=target_generator)
+                target_results.append(timed_target_generate(target, ids, **sampling, **common))
                 continue
             results[which].append(
                 speculative_generate(
@@ -331,15 +347,7 @@ def compare_drafts(
                     **common,
                 )
             )
-    evaluated = []
-    for draft, draft_results in zip(drafts, results):
-        summary = summarize(draft_results, draft.block_size)
-        if compare_target:
-            summary.update(speed_summary(draft_results, target_results, greedy=temperature == 0))
-            if temperature == 0:  # a greedy verification of the target's greedy outputs
-                summary.update(prompt_lookup_summary(prompts, target_results, draft.block_size))
-        evaluated.append((summary, draft_results))
-    return evaluated
+    return results, target_results
 
 
 def warm_up(
@@ -484,8 +492,6 @@ def evaluate_drafts(
     Seeds torch's global RNG with `seed` (sampling at a temperature above 0)."""
     if num_prompts < 1:
         raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
-    if isinstance(draft_dirs, (str, Path)):
-        raise ValueError(f"draft_dirs: give a list of export directories, e.g. [{str(draft_dirs)!r}]")
     check_inputs(draft_dirs, target_dir, data_jsonl)
     outputs = {"--out": out_jsons, "--tb-dir": tb_dirs, "--plot": plot_paths}
     settings = drafts_settings(draft_dirs, chat_template_kwargs, outputs)
@@ -506,6 +512,7 @@ def evaluate_drafts(
         stop_token_ids=stop_token_ids(tokenizer, target),
         seed=seed,
     )
+    inputs = dict(target=str(target_dir), data=str(data_jsonl), temperature=temperature, seed=seed)
     summaries = []
     for i, ((summary, _), path, (kwargs, step, notes)) in enumerate(zip(evaluated, draft_dirs, settings)):
         notes = list(notes)
@@ -513,10 +520,7 @@ def evaluate_drafts(
             notes.append(greedy_mismatch_note(len(prompts) - summary["outputs_equal_target"], len(prompts)))
         summary.update(
             draft=str(path),
-            target=str(target_dir),
-            data=str(data_jsonl),
-            temperature=temperature,
-            seed=seed,
+            **inputs,
             precision=precision,
             step=step,
             chat_template_kwargs=kwargs,
@@ -611,6 +615,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_inputs(draft_dirs: Sequence[str | Path], target_dir: str | Path, data_jsonl: str | Path) -> None:
     """Every path evaluation reads, before anything loads (named as the command line's options)."""
+    if isinstance(draft_dirs, (str, Path)):
+        raise ValueError(f"draft_dirs: give a list of export directories, e.g. [{str(draft_dirs)!r}]")
     for draft in draft_dirs:
         require_path(draft, "--draft", "dir", "an export directory (config.json + model.safetensors)")
         if holds_draft(Path(draft)):

@@ -1,4 +1,4 @@
-"""safetensors files that other accounts can read.
+"""safetensors files that other accounts can read, and files made durable (`fsync_path`).
 
 `safetensors.torch.save_file` (and `save_pretrained`, which writes through it) creates every file
 with mode 0600, whatever the umask: an export, a checkpoint or a features directory written by one
@@ -49,3 +49,13 @@ def readable_like_other_files(directory: str | Path) -> None:
     mode = file_mode()
     for path in Path(directory).glob("*.safetensors"):
         os.chmod(path, mode)
+
+
+def fsync_path(path: str | Path) -> None:
+    """Flush a file's data, or a directory's entries, to the disk (a checkpoint's files before its
+    COMPLETE marker, a feature shard before the manifest that lists it)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -30,14 +30,13 @@ from dflash2.capture.offline import (
     ShardWriter,
     capture_into,
     feature_identity,
-    fsync_path,
     write_manifest,
 )
 from dflash2.config import RunConfig
 from dflash2.data.regenerate import Reply
 from dflash2.distributed.local_backend import LocalBackend
 from dflash2.identity import RunIdentity
-from dflash2.safetensors_io import save_tensors
+from dflash2.safetensors_io import fsync_path, save_tensors
 
 STAGED_GLOB = "fused-*.safetensors"
 

@@ -39,7 +39,7 @@ from dflash2.capture.features import capture_samples, split_last_hidden
 from dflash2.config import RunConfig
 from dflash2.distributed import Backend
 from dflash2.identity import RunIdentity
-from dflash2.safetensors_io import save_tensors
+from dflash2.safetensors_io import fsync_path, save_tensors
 
 MANIFEST = "manifest.json"
 SHARD_GLOB = "shard-*.safetensors"
@@ -67,15 +67,6 @@ def feature_identity(cfg: RunConfig, layer_ids: list[int], identity: RunIdentity
 
 
 # ------------------------------------------------------------------ writing
-
-
-def fsync_path(path: Path) -> None:
-    """Flush a file's data, or a directory's entries, to the disk."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class ShardWriter:
