@@ -138,7 +138,7 @@ def regenerate_and_capture(
     the run's target dtype), keeping the run's features on the way, then write the features
     directory `features_out` for it (dflash2.capture.fused). Returns regenerate_file's counts and
     finish_fused_capture's."""
-    plan = resolve_run(cfg)
+    plan = resolve_run(cfg, check_data=False)  # data.train: the file written here
     stamp = regeneration_stamp(cfg, plan.layer_ids, plan.identity)
     template_kwargs = dict(cfg.data.chat_template_kwargs)
     generator = LocalTargetGenerator(model, plan.tokenizer, max_new_tokens, template_kwargs, plan.layer_ids)

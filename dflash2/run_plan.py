@@ -83,9 +83,10 @@ def build_contract(
     return {**draft, **run_contract(cfg, identity, global_batch_size(cfg, data_parallel_size))}
 
 
-def resolve_run(cfg: RunConfig, data_parallel_size: int = 1) -> RunPlan:
+def resolve_run(cfg: RunConfig, data_parallel_size: int = 1, *, check_data: bool = True) -> RunPlan:
     """The plan of run `cfg` (a RunConfig: `load_run_config(path, overrides)`) with `data_parallel_size`
-    ranks training the draft (file reads only; the paths it reads are checked first)."""
+    ranks training the draft (file reads only; the paths it reads are checked first). `check_data`:
+    False where data.train is the file the caller is about to write (regeneration)."""
     from transformers import AutoConfig, AutoTokenizer
 
     if not isinstance(cfg, RunConfig):
@@ -93,7 +94,8 @@ def resolve_run(cfg: RunConfig, data_parallel_size: int = 1) -> RunPlan:
             f"resolve_run takes a RunConfig, not {type(cfg).__name__}: pass load_run_config(path)"
         )
     check_model_paths(cfg)
-    check_data_paths(cfg)
+    if check_data:
+        check_data_paths(cfg)
     cfg = cfg.with_batch_layout(data_parallel_size)
     target_config = AutoConfig.from_pretrained(cfg.model.target)
     tokenizer = AutoTokenizer.from_pretrained(cfg.model.target)

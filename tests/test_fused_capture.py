@@ -101,6 +101,9 @@ def test_regeneration_writes_the_features_that_offline_capture_would(conversatio
     first.write_text("".join(lines[:3]))
     second.write_text("".join(lines[:7]))
     regenerated, features = tmp_path / "regen.jsonl", tmp_path / "features"
+    # a first regeneration with --capture-config writes data.train (it was refused as missing)
+    fresh = _regenerate(first, tmp_path / "fresh.jsonl", tmp_path / "fresh-features", *overrides)
+    assert (fresh["num_written"], fresh["num_staged"]) == (3, 3)
     _regenerate(first, regenerated, None)
     assert _regenerate(second, regenerated, features, *overrides)["num_written"] == 4
     counts = _regenerate(conversations, regenerated, features, *overrides)
