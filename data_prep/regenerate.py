@@ -78,10 +78,10 @@ def _local_target(args: argparse.Namespace, dtype):
     import torch
 
     from dflash2.hardware import warn_if_slow_bf16
-    from dflash2.target.load import load_pretrained_target
+    from dflash2.target.load import load_full_target
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    model = load_pretrained_target(args.target, dtype).to(device).eval()
+    model = load_full_target(args.target, dtype, device)
     warn_if_slow_bf16(torch.device(device), model.dtype)
     return model
 

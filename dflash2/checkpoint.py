@@ -37,7 +37,7 @@ from dflash2.distributed.state_io import check_backend_meta
 from dflash2.errors import ReportedError
 from dflash2.identity import RunIdentity
 from dflash2.models.config import load_config_dict
-from dflash2.safetensors_io import fsync_path, save_tensors
+from dflash2.safetensors_io import fsync_path, save_tensors, write_durably
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -72,13 +72,6 @@ class CheckpointWriteError(ReportedError):
 
 def _write_json(path: Path, obj: Any) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-
-
-def _fsync_write(path: Path, text: str) -> None:
-    with open(path, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _fsync_tree(root: Path) -> None:
@@ -310,7 +303,7 @@ def _publish(backend: Backend, root: Path, tmp: Path, final: Path, step: int, ke
     """Rank 0's end of a save: COMPLETE, the rename into place (a complete checkpoint of this step
     set aside first, put back if the rename fails), `latest`, the rotation."""
     with _cleanup_on_write_error(backend, root, final, tmp):
-        _fsync_write(tmp / COMPLETE, json.dumps({"step": step, "world_size": backend.world_size}))
+        write_durably(tmp / COMPLETE, json.dumps({"step": step, "world_size": backend.world_size}))
         fsync_path(tmp)
         moved = _set_aside(root, lambda n: n == step)
         try:
@@ -413,7 +406,7 @@ def _free_space(path: Path) -> str:
 
 def _write_latest(root: Path, name: str) -> None:
     tmp = root / f"{TMP_PREFIX}{LATEST}"
-    _fsync_write(tmp, name + "\n")
+    write_durably(tmp, name + "\n")
     os.replace(tmp, root / LATEST)
     fsync_path(root)
 

@@ -42,7 +42,7 @@ from dflash2.export import TRAINING_RUN_NAME, read_training_run
 from dflash2.hardware import warn_if_slow_bf16
 from dflash2.models import TargetHead, load_draft
 from dflash2.models.draft import DFlashDraftModel
-from dflash2.target.load import load_pretrained_target
+from dflash2.target.load import load_full_target
 from dflash2.target.state import use_decoding_layout
 
 # ------------------------------------------------------------------ prompts
@@ -406,7 +406,7 @@ def load_target(target_dir: str | Path, device: str = "cpu", dtype=torch.float32
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    target = load_pretrained_target(target_dir, dtype).to(device).eval()
+    target = load_full_target(target_dir, dtype, device)
     return target, TargetHead.from_target(target, dtype=dtype), tokenizer
 
 

@@ -35,9 +35,8 @@ from dflash2.data.regenerate import LocalTargetGenerator, regenerate_file
 from dflash2.distributed import (
     Backend,
     backend_class,
-    end_one_process_world,
+    distributed_run,
     init_distributed,
-    shutdown_distributed,
 )
 from dflash2.faults import collective_section, collective_timeout, stop_request
 from dflash2.hardware import warn_if_slow_bf16
@@ -54,13 +53,8 @@ def run(cfg: RunConfig) -> dict[str, float]:
     """Train with the topology the config names (every rank calls it); returns the last step's metrics
     ({} on capture ranks). `stop_request.stopped` tells whether it ended early on a stop signal
     (launch/train.py installs the stop signals' handlers)."""
-    try:
-        summary = run_disaggregated(cfg) if cfg.topology == "disaggregated" else run_colocated(cfg)
-    except BaseException:
-        end_one_process_world()  # a plain `python` run: no group or launcher variables left behind
-        raise
-    shutdown_distributed()
-    return summary
+    with distributed_run():
+        return run_disaggregated(cfg) if cfg.topology == "disaggregated" else run_colocated(cfg)
 
 
 def run_backend(
@@ -92,35 +86,26 @@ def run_colocated(cfg: RunConfig) -> dict[str, float]:
 
 def run_offline_capture(cfg: RunConfig, out_dir: str | Path, *, batch_size: int, shard_bytes: int) -> Path:
     """Capture the features of run `cfg` into `out_dir` on every rank (data_prep/capture.py)."""
-    try:
-        out = _offline_capture(cfg, out_dir, batch_size=batch_size, shard_bytes=shard_bytes)
-    except BaseException:
-        end_one_process_world()  # a plain `python` run: no group or launcher variables left behind
-        raise
-    shutdown_distributed()
-    return out
-
-
-def _offline_capture(cfg: RunConfig, out_dir: str | Path, *, batch_size: int, shard_bytes: int) -> Path:
-    init_distributed(cfg.backend)
-    plan = resolve_run(cfg)
-    backend = run_backend(cfg)
-    warn_if_slow_bf16(backend.device, cfg.target_torch_dtype, is_main=backend.is_main)
-    dataset = plan.dataset(backend.is_main)
-    target = backend.load_target(cfg.model.target, cfg.target_torch_dtype)
-    return capture_to_dir(
-        cfg,
-        backend,
-        target,
-        dataset,
-        plan.layer_ids,
-        Path(out_dir),
-        hidden_size=plan.target_hidden_size,
-        pad_token_id=plan.pad_token_id,
-        batch_size=batch_size,
-        shard_bytes=shard_bytes,
-        identity=plan.identity,
-    )
+    with distributed_run():
+        init_distributed(cfg.backend)
+        plan = resolve_run(cfg)
+        backend = run_backend(cfg)
+        warn_if_slow_bf16(backend.device, cfg.target_torch_dtype, is_main=backend.is_main)
+        dataset = plan.dataset(backend.is_main)
+        target = backend.load_target(cfg.model.target, cfg.target_torch_dtype)
+        return capture_to_dir(
+            cfg,
+            backend,
+            target,
+            dataset,
+            plan.layer_ids,
+            Path(out_dir),
+            hidden_size=plan.target_hidden_size,
+            pad_token_id=plan.pad_token_id,
+            batch_size=batch_size,
+            shard_bytes=shard_bytes,
+            identity=plan.identity,
+        )
 
 
 def regenerate_and_capture(

@@ -1,4 +1,5 @@
-"""safetensors files that other accounts can read, and files made durable (`fsync_path`).
+"""safetensors files that other accounts can read, and files made durable (`fsync_path`,
+`write_durably`).
 
 `safetensors.torch.save_file` (and `save_pretrained`, which writes through it) creates every file
 with mode 0600, whatever the umask: an export, a checkpoint or a features directory written by one
@@ -59,3 +60,11 @@ def fsync_path(path: str | Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_durably(path: str | Path, text: str) -> None:
+    """Write `text` to `path` and flush it to the disk before returning."""
+    with open(path, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())

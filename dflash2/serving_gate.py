@@ -39,7 +39,7 @@ from dflash2.errors import add_debug_flag, exit_process, run_main
 from dflash2.export import read_training_run
 from dflash2.models import TargetHead, load_draft
 from dflash2.run import run
-from dflash2.target.load import load_pretrained_target
+from dflash2.target.load import load_full_target
 from dflash2.target.recorded_generate import common_prefix
 
 GATE_DIR_NAME = "serving_gate"
@@ -295,7 +295,7 @@ def run_stages(
     gate_dir = Path(base.output_dir) / GATE_DIR_NAME
     template_kwargs = base.data.chat_template_kwargs
     tokenizer = AutoTokenizer.from_pretrained(base.model.target)
-    target = load_pretrained_target(base.model.target, torch.float32).eval()
+    target = load_full_target(base.model.target, torch.float32, "cpu")
     regenerate = (samples, target, tokenizer, max_new_tokens, template_kwargs)
     samples = _timed(result, "regenerate", regenerate_samples, *regenerate)
     data_path = gate_dir / DATA_NAME

@@ -151,7 +151,7 @@ def build_setup(plan: RunPlan, backend: Backend, features: FeatureSource | None 
 def check_batch_layout(backend: Backend, cfg: RunConfig) -> None:
     """The backend steps the optimizer after as many micro-batches of the size the run loads."""
     t = cfg.train
-    built = (getattr(backend, "micro_batch_size", None), getattr(backend, "grad_accum_steps", None))
+    built = (backend.micro_batch_size, backend.grad_accum_steps)
     if built != (t.micro_batch_size, t.grad_accum_steps):
         raise ValueError(
             f"the backend was built for micro-batch {built[0]} x {built[1]} accumulation steps, the run "

@@ -18,7 +18,7 @@ class TrainLogger:
         self.log_every = train.log_every
         self.max_steps = train.max_steps
         self.writer = self.bar = None
-        self.unprinted: str | None = None  # the console line of the last step logged, until printed
+        self.unprinted: tuple | None = None  # the last step logged, until its console line is printed
         if not enabled:
             return
         from torch.utils.tensorboard import SummaryWriter
@@ -55,24 +55,7 @@ class TrainLogger:
         if self.bar is not None:
             self.bar.update(1)
             self.bar.set_postfix(loss=f"{summary['loss']:.3f}", acc=f"{summary['accuracy']:.3f}")
-        line = (
-            f"step {step}/{self.max_steps} | loss {summary['loss']:.4f} | acc {summary['accuracy']:.3f}"
-            f" | top-k cov {summary['topk_coverage']:.3f}"
-        )
-        if "selector_accuracy" in summary:
-            line += f" | sel acc {summary['selector_accuracy']:.3f}"
-            line += (
-                f" | tau {summary['insample_accept_len']:.2f}/{summary['insample_accept_len_selector']:.2f}"
-            )
-            line += f" (est {summary['est_accept_len']:.2f}/{summary['est_accept_len_selector']:.2f})"
-        else:
-            line += f" | tau {summary['insample_accept_len']:.2f} (est {summary['est_accept_len']:.2f})"
-        line += distill_terms(summary)
-        line += (
-            f" | lr {timing['lr']:.2e} | {scalars['tokens_per_s']:.0f} tok/s"
-            f" | capture {100 * scalars['capture_fraction']:.0f}%"
-        )
-        self.unprinted = line
+        self.unprinted = (step, summary, timing, scalars)
         if step % self.log_every == 0 or step == self.max_steps:
             self.print_last()
 
@@ -80,7 +63,8 @@ class TrainLogger:
         """Print the last step's console line, unless it was printed (every log_every steps, and the
         last step of a launch, which may end before max_steps: stop_at_step, a stop signal)."""
         if self.unprinted is not None:
-            (tqdm.write if self.bar is not None else print)(self.unprinted)
+            line = console_line(*self.unprinted, self.max_steps)
+            (tqdm.write if self.bar is not None else print)(line)
             self.unprinted = None
             self.writer.flush()
 
@@ -91,6 +75,26 @@ class TrainLogger:
             self.jsonl.close()
         if self.bar is not None:
             self.bar.close()
+
+
+def console_line(step: int, summary: dict[str, float], timing: dict, scalars: dict, max_steps: int) -> str:
+    """A step's console line: loss, accuracy, coverage, in-sample tau, the distillation terms, lr,
+    throughput and the capture's share."""
+    line = (
+        f"step {step}/{max_steps} | loss {summary['loss']:.4f} | acc {summary['accuracy']:.3f}"
+        f" | top-k cov {summary['topk_coverage']:.3f}"
+    )
+    if "selector_accuracy" in summary:
+        line += f" | sel acc {summary['selector_accuracy']:.3f}"
+        line += f" | tau {summary['insample_accept_len']:.2f}/{summary['insample_accept_len_selector']:.2f}"
+        line += f" (est {summary['est_accept_len']:.2f}/{summary['est_accept_len_selector']:.2f})"
+    else:
+        line += f" | tau {summary['insample_accept_len']:.2f} (est {summary['est_accept_len']:.2f})"
+    line += distill_terms(summary)
+    return line + (
+        f" | lr {timing['lr']:.2e} | {scalars['tokens_per_s']:.0f} tok/s"
+        f" | capture {100 * scalars['capture_fraction']:.0f}%"
+    )
 
 
 def distill_terms(summary: dict[str, float]) -> str:

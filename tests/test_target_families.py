@@ -149,7 +149,7 @@ def test_a_checkpoint_whose_head_would_load_random_is_refused(tmp_path):
     decoder a causal-LM load builds does not, and transformers filled lm_head.weight at random."""
     import transformers as tf
 
-    from dflash2.target.load import load_pretrained_target
+    from dflash2.target.load import load_full_target
     from tests.target_families import build_config
 
     composite = build_config("qwen3_5_vlm").to_dict()
@@ -163,8 +163,8 @@ def test_a_checkpoint_whose_head_would_load_random_is_refused(tmp_path):
         )
         tf.Qwen3_5ForConditionalGeneration(config).save_pretrained(tmp_path / name)
     with pytest.raises(ValueError, match=r"no tensor for \['lm_head.weight'\].*tie_word_embeddings: true"):
-        load_pretrained_target(tmp_path / "top-only", torch.float32)
-    model = load_pretrained_target(tmp_path / "both", torch.float32)
+        load_full_target(tmp_path / "top-only", torch.float32, "cpu")
+    model = load_full_target(tmp_path / "both", torch.float32, "cpu")
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
 

@@ -39,7 +39,7 @@ from dflash2.capture.features import capture_samples, split_last_hidden
 from dflash2.config import RunConfig
 from dflash2.distributed import Backend
 from dflash2.identity import RunIdentity
-from dflash2.safetensors_io import fsync_path, save_tensors
+from dflash2.safetensors_io import fsync_path, save_tensors, write_durably
 
 MANIFEST = "manifest.json"
 SHARD_GLOB = "shard-*.safetensors"
@@ -182,9 +182,7 @@ def write_manifest(
     num_samples = len(lengths)
     missing = [i for i in range(num_samples) if i not in sample_shard]
     assert not missing, f"no shard holds samples {missing[:10]}"
-    shards = sorted(set(sample_shard.values()))
-    for name in shards:
-        fsync_path(out_dir / name)
+    shards = sorted(set(sample_shard.values()))  # each fsynced by its writer before its rename
     fsync_path(out_dir)  # the shards' names before the manifest that lists them
     shard_index = {name: i for i, name in enumerate(shards)}
     manifest = {
@@ -200,10 +198,7 @@ def write_manifest(
     if sample_keys is not None:
         manifest["sample_keys"] = sample_keys
     tmp = out_dir / f".{MANIFEST}.tmp"
-    with open(tmp, "w") as f:
-        f.write(json.dumps(manifest) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
+    write_durably(tmp, json.dumps(manifest) + "\n")
     os.replace(tmp, out_dir / MANIFEST)
     fsync_path(out_dir)
 
@@ -231,7 +226,7 @@ def scan_shards(out_dir: Path, stamp: dict, num_samples: int) -> tuple[dict[int,
                 metadata = shard.metadata() or {}
         except Exception:  # not a safetensors file (cut short by something else than our writer)
             metadata = {}
-        samples = json.loads(metadata.get("samples", "null") or "null")
+        samples = json.loads(metadata["samples"]) if "samples" in metadata else None
         if metadata.get("stamp") != wanted or samples is None or any(i >= num_samples for i in samples):
             unusable.append(path.name)
             continue
@@ -249,14 +244,14 @@ def _capture_plan(out_dir: Path, stamp: dict, lengths: list[int], token_bytes: i
         (out_dir / name).unlink(missing_ok=True)
     remaining = sum(n for i, n in enumerate(lengths) if i not in held) * token_bytes
     free = shutil.disk_usage(out_dir).free
-    note = None
+    notes = []
     if held:
         shards = len(set(held.values()))
-        note = f"resuming the capture in {out_dir}: {len(held)} of {len(lengths)} samples are in {shards} shards already"
+        notes.append(
+            f"resuming the capture in {out_dir}: {len(held)} of {len(lengths)} samples are in {shards} shards already"
+        )
     if unusable:
-        note = (
-            note + "; " if note else ""
-        ) + f"removed {len(unusable)} shard files of another setup or cut short"
+        notes.append(f"removed {len(unusable)} shard files of another setup or cut short")
     error = None
     if remaining > free:
         error = (
@@ -264,7 +259,7 @@ def _capture_plan(out_dir: Path, stamp: dict, lengths: list[int], token_bytes: i
             f"in {out_dir}, which has {free / 2**30:.1f} GiB free: free some space or choose another --out "
             "(a capture interrupted by a full disk resumes where it stopped)"
         )
-    return {"held": held, "error": error, "note": note}
+    return {"held": held, "error": error, "note": "; ".join(notes) or None}
 
 
 def capture_to_dir(

@@ -4,7 +4,7 @@ names) or LocalBackend (one process, no process group)."""
 from dflash2.distributed.base import Backend, RankLayout
 from dflash2.distributed.env import (
     build_backend,
-    end_one_process_world,
+    distributed_run,
     init_distributed,
     shutdown_distributed,
 )
@@ -17,7 +17,7 @@ __all__ = [
     "RankLayout",
     "backend_class",
     "build_backend",
-    "end_one_process_world",
+    "distributed_run",
     "init_distributed",
     "shutdown_distributed",
 ]

@@ -6,6 +6,8 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -138,16 +140,22 @@ def shutdown_distributed() -> None:
     _unset_one_process_env()
 
 
-def end_one_process_world() -> None:
-    """After a failure in a plain `python` run (a one-process world, no launcher): destroy its
-    process group without waiting for anybody, and unset the launcher variables it set, so that the
-    process can start another run. Under a launcher nothing changes: the failing rank's process
-    exits, and the job's store still carries its error report (dflash2.errors)."""
-    if not _set_for_one_process:
-        return
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    _unset_one_process_env()
+@contextmanager
+def distributed_run() -> Iterator[None]:
+    """Around a run that calls init_distributed: `shutdown_distributed` when it succeeds. After a
+    failure in a plain `python` run (a one-process world, no launcher), its process group is
+    destroyed without waiting for anybody and the launcher variables it set are unset, so that the
+    process (a notebook) can start another run; under a launcher nothing changes: the failing rank's
+    process exits, and the job's store still carries its error report (dflash2.errors)."""
+    try:
+        yield
+    except BaseException:
+        if _set_for_one_process:
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            _unset_one_process_env()
+        raise
+    shutdown_distributed()
 
 
 def _unset_one_process_env() -> None:

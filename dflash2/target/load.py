@@ -245,10 +245,11 @@ def init_non_persistent_buffers(model: nn.Module) -> None:
     model.initialize_weights()
 
 
-def load_pretrained_target(target_dir: str | Path, dtype: torch.dtype) -> nn.Module:
-    """`AutoModelForCausalLM.from_pretrained`, refusing a checkpoint that lacks one of the model's
-    weights, which transformers would initialise at random with only a log line (a Qwen3.5 config
-    that ties the LM head at its top level but not in its text_config loads an untied, random head)."""
+def load_full_target(target_dir: str | Path, dtype: torch.dtype, device: torch.device | str) -> nn.Module:
+    """The whole target in this process (no sharding): from_pretrained, frozen, eval(), on `device`.
+    A checkpoint that lacks one of the model's weights, which transformers would initialise at
+    random with only a log line, is refused (a Qwen3.5 config that ties the LM head at its top level
+    but not in its text_config loads an untied, random head)."""
     from transformers import AutoModelForCausalLM
 
     model, info = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype, output_loading_info=True)
@@ -264,11 +265,5 @@ def load_pretrained_target(target_dir: str | Path, dtype: torch.dtype) -> nn.Mod
             f"{target_dir}: the checkpoint has no tensor for {missing[:4]}{' ...' if len(missing) > 4 else ''} "
             f"({len(missing)} of the model's weights), which would be initialised at random.{tie}"
         )
-    return model
-
-
-def load_full_target(target_dir: str, dtype: torch.dtype, device: torch.device) -> nn.Module:
-    """The whole target in this process (no sharding): from_pretrained, frozen, eval(), on `device`."""
-    model = load_pretrained_target(target_dir, dtype)
     model.requires_grad_(False)
     return model.eval().to(device)

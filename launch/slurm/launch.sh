@@ -38,6 +38,10 @@ _dflash2_say() {
   if [[ -n ${_dflash2_log:-} ]]; then echo "$line" >>"$_dflash2_log"; fi
 }
 
+_dflash2_requeue() {
+  scontrol requeue "${SLURM_JOB_ID}" || _dflash2_say "scontrol requeue failed; resubmit the job" >&2
+}
+
 _dflash2_on_usr1() {
   _dflash2_say "SIGUSR1: passed on to the run, which checkpoints and stops"
   _dflash2_signaled=1 _dflash2_got_usr1=1
@@ -63,7 +67,7 @@ _dflash2_on_deadline() {
   if [[ -z ${_dflash2_step:-} ]] || ! kill -0 "$_dflash2_step" 2>/dev/null; then return; fi
   _dflash2_say "the stop did not finish within ${_dflash2_deadline} s of SIGUSR1 (DFLASH2_STOP_DEADLINE_S):" \
     "requeueing before the time limit ends the job; it resumes from the latest complete checkpoint"
-  scontrol requeue "${SLURM_JOB_ID}" || _dflash2_say "scontrol requeue failed; resubmit the job" >&2
+  _dflash2_requeue
 }
 
 _dflash2_on_term() {
@@ -131,7 +135,7 @@ dflash2_slurm_run() {
     fi
     if _dflash2_cancelled; then _dflash2_say "the job was cancelled before the run started"; return 0; fi
     _dflash2_say "SIGTERM before the run started: requeueing"
-    scontrol requeue "${SLURM_JOB_ID}" || _dflash2_say "scontrol requeue failed; resubmit the job" >&2
+    _dflash2_requeue
     return 0
   fi
   # NODE_RANK differs per node: each task derives its own environment.
@@ -166,6 +170,6 @@ dflash2_slurm_run() {
     return 0
   fi
   _dflash2_say "the run stopped with a checkpoint (${stopped}); requeueing, it resumes there"
-  scontrol requeue "${SLURM_JOB_ID}" || _dflash2_say "scontrol requeue failed; resubmit the job" >&2
+  _dflash2_requeue
   return 0
 }
