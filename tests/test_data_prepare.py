@@ -163,10 +163,18 @@ def test_truncation_and_untrainable_samples_are_counted(tiny_tokenizer, tmp_path
     # One supervised token left after truncation: no anchor with a label after it.
     dataset, summary = prepare_dataset(path, tiny_tokenizer, max_length=first_reply_token + 1)
     assert len(dataset) == 0 and summary["dropped_by_reason"] == {"no_trainable_block": 1}
-    assert summary["num_truncated"] == 1
+    assert summary["num_truncated"] == 0  # of the kept samples (it counted this dropped one before)
 
     dataset, summary = prepare_dataset(path, tiny_tokenizer, max_length=first_reply_token + 2)
     assert summary["num_kept"] == 1 and dataset[0]["loss_mask"] == full_mask[: first_reply_token + 2]
+    assert summary["num_truncated"] == 1
+
+
+def test_a_byte_order_mark_costs_no_line(tiny_tokenizer, tmp_path):
+    path = _write_jsonl(tmp_path / "bom.jsonl", [VALID, {**VALID, "id": "second"}])
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())  # as editors that save 'UTF-8 with BOM' write
+    dataset, summary = prepare_dataset(path, tiny_tokenizer, max_length=128, on_error="fail")
+    assert dataset["id"] == ["ok", "second"] and summary["num_kept"] == 2  # line 1 failed before
 
 
 def test_prepare_cli_writes_loadable_dataset_and_summary(tiny_default, tmp_path, monkeypatch):
@@ -211,6 +219,25 @@ def test_a_run_refuses_a_prepared_directory_rendered_with_other_chat_template_kw
         DataConfig(train=str(out), chat_template_kwargs=kwargs), tiny_tokenizer, is_main=True
     )
     assert loaded["input_ids"] == dataset["input_ids"]
+
+
+def test_a_run_refuses_a_prepared_directory_cut_longer_than_its_max_length(tiny_tokenizer, tmp_path):
+    # the run is sized by data.max_length (batches, memory plan, capture); a prepared directory is
+    # loaded as it is, so samples cut at a longer length trained past it before
+    from dflash2.config import DataConfig
+    from dflash2.data.prepare import build_dataset, save_prepared
+
+    dataset, summary = prepare_dataset(_write_jsonl(tmp_path / "in.jsonl", [VALID]), tiny_tokenizer, 4096)
+    out = save_prepared(dataset, summary, tmp_path / "prepared")
+    length = len(dataset[0]["input_ids"])
+    with pytest.raises(
+        ValueError, match=r"prepared with max_length 4096, longer than this run's data.max_length 64"
+    ):
+        build_dataset(DataConfig(train=str(out), max_length=64), tiny_tokenizer, is_main=True)
+    assert (
+        len(build_dataset(DataConfig(train=str(out), max_length=4096), tiny_tokenizer, True)[0]["input_ids"])
+        == length
+    )
 
 
 def test_load_prepared_rejects_other_directories(tmp_path):

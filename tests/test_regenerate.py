@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from dflash2.data.regenerate import LocalTargetGenerator, regenerate_file
+from dflash2.data.render import encode_prompt, render_text
 from tests.run_helpers import run_script_main
 
 
@@ -294,3 +296,57 @@ def test_local_regeneration_keeps_the_generated_ids_and_answers_prompt_only_reco
         # a reply that reached the limit says so, as an OpenAI server would: no end-of-turn label
         assert reply.get("finish_reason") == ("length" if cut[-1] else None)
     assert any(cut) and not all(cut), cut  # both kinds of reply occurred
+
+
+# a ChatML-like template that refuses roles that do not alternate, as many published templates do
+_STRICT_TEMPLATE = (
+    "{% for m in messages %}{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
+    "{{ raise_exception('Conversation roles must alternate') }}{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class _TemplateGenerator(_FakeGenerator):
+    """Renders every prompt with the chat template first, as LocalTargetGenerator does."""
+
+    def __init__(self, tokenizer):
+        super().__init__()
+        self.tokenizer = tokenizer
+
+    def check_prompt(self, history):
+        render_text(history, self.tokenizer, add_generation_prompt=True)
+
+    def generate(self, histories):
+        for history in histories:
+            encode_prompt(history, self.tokenizer)  # a refused prompt here failed the whole batch before
+        return super().generate(histories)
+
+
+def test_lines_no_batch_can_generate_are_reported_by_line_and_the_rest_regenerated(
+    tiny_tokenizer, tmp_path, caplog
+):
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = _STRICT_TEMPLATE
+    user = lambda text: {"role": "user", "content": text}  # noqa: E731
+    rows = [
+        {"id": "s0", "conversations": [user("q0"), _assistant("old")]},
+        {"id": "s1", "conversations": [user("q1"), user("q1 again")]},  # refused by the template
+        {"id": "s2", "conversations": [_assistant("hello"), user("q2")]},  # a reply with no prompt
+        {"id": "s3", "conversations": [user("q3")]},
+        {"id": "s0", "conversations": [user("another q0")]},  # the id of line 1 again
+        {"id": "s5", "conversations": [user("q5"), _assistant("old"), user("q5b"), _assistant("old")]},
+    ]
+    source = _write_jsonl(tmp_path / "in.jsonl", rows)
+    output = tmp_path / "out.jsonl"
+    with caplog.at_level("WARNING"):
+        counts = regenerate_file(source, output, _TemplateGenerator(tokenizer), batch_size=8)
+    assert counts["num_written"] == 3 and counts["num_invalid"] == 3
+    written = {row["id"]: row["conversations"] for row in _read_jsonl(output)}
+    assert sorted(written) == ["s0", "s3", "s5"]
+    assert written["s0"][-1]["content"] == "reply to q0"  # the first line of the id, not the repeated one
+    assert written["s5"][-1]["content"] == "reply to q5b"
+    for line, reason in ((2, "roles must alternate"), (3, "no prompt"), (5, "also on line 1")):
+        assert any(f"in.jsonl:{line}:" in r.message and reason in r.message for r in caplog.records), line
+    with pytest.raises(ValueError, match=r"in\.jsonl:2: .*roles must alternate"):
+        regenerate_file(source, tmp_path / "fail.jsonl", _TemplateGenerator(tokenizer), on_error="fail")

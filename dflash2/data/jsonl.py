@@ -59,6 +59,8 @@ def iter_lines(path: str | Path) -> Iterator[tuple[int, str | UndecodableLine]]:
             except UnicodeDecodeError as error:
                 yield line_number, UndecodableLine(offset + error.start, error.start + 1, error.reason)
             else:
+                if line_number == 1:
+                    line = line.removeprefix("\ufeff")  # a byte order mark, as some editors write
                 if line.strip():
                     yield line_number, line
             offset += len(raw)

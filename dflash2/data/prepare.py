@@ -147,12 +147,13 @@ def prepare_dataset(
             if duplicates == "drop":
                 continue
         first_line_of_turns.setdefault(turns, line_number)
-        tally.num_truncated += len(input_ids) > max_length
+        truncated = len(input_ids) > max_length
         try:
             input_ids, loss_mask = _fit(input_ids, loss_mask, max_length)
         except SampleError as error:
             tally.drop(error, line_number)
             continue
+        tally.num_truncated += truncated  # of the kept samples
         rows["id"].append(sample.id)
         rows["input_ids"].append(input_ids)
         rows["loss_mask"].append(loss_mask)
@@ -277,20 +278,30 @@ def check_token_ids_in_vocab(dataset: datasets.Dataset, vocab_size: int) -> None
     )
 
 
-def check_prepared_template(path: Path, chat_template_kwargs: dict[str, Any]) -> None:
+def check_prepared(path: Path, data: DataConfig) -> None:
     """A prepared directory's samples were rendered with the chat template arguments of its
     summary.json; the run's own (data.chat_template_kwargs) are what its export records and what
-    evaluation and serving render prompts with, so the two must agree."""
+    evaluation and serving render prompts with, so the two must agree. Its samples were cut at its
+    own max_length, which must not exceed the run's data.max_length (which the memory plan, the
+    batches and the capture are sized by)."""
     summary_path = path / SUMMARY_FILE
     if not summary_path.is_file():
         return
-    prepared = json.loads(summary_path.read_text()).get("chat_template_kwargs") or {}
-    if prepared != dict(chat_template_kwargs):
+    summary = json.loads(summary_path.read_text())
+    prepared = summary.get("chat_template_kwargs") or {}
+    if prepared != dict(data.chat_template_kwargs):
         raise ValueError(
             f"{path} was prepared with chat_template_kwargs {prepared}, but this run's "
-            f"data.chat_template_kwargs is {dict(chat_template_kwargs)} (recorded in the export: evaluation and "
+            f"data.chat_template_kwargs is {dict(data.chat_template_kwargs)} (recorded in the export: evaluation and "
             f"serving render prompts with it); set data.chat_template_kwargs to {prepared}, or prepare the data "
             "again with --chat-template-kwargs"
+        )
+    prepared_length = summary.get("max_length")
+    if isinstance(prepared_length, int) and prepared_length > data.max_length:
+        raise ValueError(
+            f"{path} was prepared with max_length {prepared_length}, longer than this run's data.max_length "
+            f"{data.max_length}, which the run is sized by (a prepared directory is loaded as it is); set "
+            f"data.max_length={prepared_length}, or prepare the data again with --max-length {data.max_length}"
         )
 
 
@@ -307,7 +318,7 @@ def build_dataset(data: DataConfig, tokenizer: Any, is_main: bool) -> datasets.D
     prepared on the fly (rank 0 reports every dropped line and what was kept)."""
     source = Path(data.train)
     if source.is_dir():
-        check_prepared_template(source, data.chat_template_kwargs)
+        check_prepared(source, data)
         return load_prepared(source)
     dataset, summary = prepare_dataset(
         source,

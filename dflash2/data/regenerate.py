@@ -31,8 +31,8 @@ from typing import Any, Protocol
 
 import torch
 
-from dflash2.data.jsonl import Sample, SampleError, iter_lines, parse_sample
-from dflash2.data.render import encode_prompt, render_with_token_ids, stop_token_ids
+from dflash2.data.jsonl import Sample, SampleError, iter_lines, parse_sample, prompt_turns
+from dflash2.data.render import encode_prompt, render_text, render_with_token_ids, stop_token_ids
 from dflash2.target.cache import new_cache
 from dflash2.target.recorded_generate import check_full_attention, generate_recording
 
@@ -91,6 +91,11 @@ class LocalTargetGenerator:
             )
         if self.record_layer_ids is not None:
             check_full_attention(model)
+
+    def check_prompt(self, history: Messages) -> None:
+        """SampleError when the chat template refuses `history` as a prompt, found before any
+        generation so that one such conversation is reported by its line, not fail its batch."""
+        render_text(history, self.tokenizer, self.chat_template_kwargs, add_generation_prompt=True)
 
     @torch.no_grad()
     def generate(self, histories: Sequence[Messages]) -> list[Reply]:
@@ -273,14 +278,17 @@ def regenerate_file(
     (`feature_sink`: given each batch's last replies before their lines are written).
 
     Returns counts: `num_done_before` (skipped, already in the output), `num_written`,
-    `num_invalid` (malformed input lines), `num_empty_replies`.
+    `num_invalid` (input lines skipped: malformed, no prompt, refused by the chat template, or an id
+    already on an earlier line), `num_empty_replies`.
     """
     if on_error not in ("skip", "fail"):
         raise ValueError(f"on_error must be 'skip' or 'fail', got {on_error!r}")
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     done = finished_ids(output_path)
-    samples, num_invalid = _pending_samples(input_path, done, on_error)
+    samples, num_invalid = _pending_samples(
+        input_path, done, on_error, getattr(generator, "check_prompt", None)
+    )
     # Batches of similar lengths: a left-padded batch prefills every row to its longest prompt (on
     # the demo's 512 real prompts, batches of 32 in file order pad 100k prompt tokens to 240k; sorted,
     # to 112k). Records are written in this order; their ids say which is which.
@@ -318,22 +326,46 @@ def _length_hint(sample: Sample) -> int:
     return sum(len(turn.get("content") or "") for turn in sample.messages if turn["role"] != "assistant")
 
 
-def _pending_samples(input_path: str | Path, done: set[str], on_error: str) -> tuple[list[Sample], int]:
+def _pending_samples(
+    input_path: str | Path, done: set[str], on_error: str, check_prompt: Any = None
+) -> tuple[list[Sample], int]:
+    """The input's samples not in `done`, and the number of invalid lines: malformed, a reply with no
+    prompt before it, a prompt the chat template refuses (`check_prompt`, a local target's), or an
+    id already on an earlier line. Each is reported by its line (skipped, or the error with
+    `on_error="fail"`), so that no batch fails on one of them when it is generated."""
     samples, num_invalid = [], 0
-    seen = set(done)  # a duplicate id in the input is regenerated once
+    first_line: dict[str, int] = {}
     for line_number, line in iter_lines(input_path):
         try:
             sample = parse_sample(line, line_number)
+            _check_prompts(sample, check_prompt)
+            if sample.id in first_line:
+                raise SampleError(
+                    "duplicate_id",
+                    f"id {sample.id!r} is also on line {first_line[sample.id]}; give each conversation its own id",
+                )
         except SampleError as error:
             if on_error == "fail":
                 raise ValueError(f"{input_path}:{line_number}: {error}") from None
             logger.warning("%s:%d: %s (skipped)", input_path, line_number, error)
             num_invalid += 1
             continue
-        if sample.id not in seen:
+        first_line[sample.id] = line_number
+        if sample.id not in done:
             samples.append(sample)
-            seen.add(sample.id)
     return samples, num_invalid
+
+
+def _check_prompts(sample: Sample, check_prompt: Any) -> None:
+    """Every prompt the regeneration will send for `sample` (the history before each assistant turn,
+    or the whole record when it has none) has a user turn and, with `check_prompt`, renders."""
+    prompt_turns(sample.messages)
+    if check_prompt is None:
+        return
+    roles = [turn["role"] for turn in sample.messages]
+    ends = [i for i, role in enumerate(roles) if role == "assistant"] or [len(roles)]
+    for end in ends:
+        check_prompt([{"role": t["role"], "content": t["content"]} for t in sample.messages[:end]])
 
 
 def finished_ids(output_path: str | Path) -> set[str]:
