@@ -91,6 +91,38 @@ def test_thinking_style_template_masks_only_the_reply(tiny_default, tiny_tokeniz
         assert tokenizer.decode(supervised) == REPLY["content"] + "<|im_end|>"
 
 
+def test_a_reply_after_a_think_block_the_template_adds_trains_after_its_generation_prompt(
+    tiny_default, tmp_path
+):
+    """Qwen3's templates render a reply without `</think>` (a thinking reply cut at the length limit)
+    after an empty think block that the generation prompt, what the target was given, lacks."""
+    from transformers import AutoTokenizer
+
+    from dflash2.data.render import encode_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_default.target_dir)
+    tokenizer.chat_template = THINKING_TEMPLATE
+    kwargs = {"enable_thinking": True}
+    content = "<think>\nThe user asks for a count. Let me"
+    reply_ids = tokenizer(content, add_special_tokens=False)["input_ids"]
+    cut = {"role": "assistant", "content": content, "finish_reason": "length"}
+    rows = [
+        {"id": "text", "conversations": [USER, cut]},
+        {"id": "ids", "conversations": [USER, {**cut, "token_ids": reply_ids}]},
+    ]
+    dataset, summary = prepare_dataset(
+        _write_jsonl(tmp_path / "cut.jsonl", rows), tokenizer, 512, chat_template_kwargs=kwargs
+    )
+    prompt = encode_prompt([USER], tokenizer, kwargs)
+    assert summary["num_kept"] == 2 and "</think>" not in tokenizer.decode(dataset[1]["input_ids"])
+    ids, mask = dataset[1]["input_ids"], dataset[1]["loss_mask"]  # then the unsupervised end of turn
+    assert ids[: len(prompt) + len(reply_ids)] == prompt + reply_ids  # before: the empty think block between
+    assert mask == [0] * len(prompt) + [1] * len(reply_ids) + [0] * (len(ids) - len(prompt) - len(reply_ids))
+    text_ids, text_mask = dataset[0]["input_ids"], dataset[0]["loss_mask"]
+    assert tokenizer.decode(text_ids[: text_mask.index(1)]) == tokenizer.decode(prompt)
+    assert tokenizer.decode([t for t, m in zip(text_ids, text_mask) if m]) == content
+
+
 MALFORMED = [
     ("{not json", "invalid_json", "invalid JSON"),
     ("[1, 2]", "not_an_object", "expected a JSON object"),

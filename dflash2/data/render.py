@@ -87,11 +87,11 @@ def render_with_loss_mask(
     """(input_ids, loss_mask) of the whole rendered conversation; raises SampleError when a reply
     cannot be found verbatim (followed by its end-of-turn marker) in the rendered text."""
     end_of_turn = _end_of_turn(tokenizer, end_of_turn)
-    text = render_text(messages, tokenizer, chat_template_kwargs)
+    text, reply_spans = _rendered_replies(messages, tokenizer, chat_template_kwargs, end_of_turn)
     replies = [message for message in messages if message["role"] == "assistant"]
     spans = [  # a reply cut at the length limit: its end-of-turn marker is not the target's
         (start, content_end if cut_at_length(reply) else end)
-        for reply, (start, content_end, end) in zip(replies, _assistant_spans(text, messages, end_of_turn))
+        for reply, (start, content_end, end) in zip(replies, reply_spans)
     ]
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     loss_mask = [int(_overlaps(token, spans)) for token in encoding["offset_mapping"]]
@@ -118,7 +118,7 @@ def render_with_token_ids(
     if not any("token_ids" in message for message in messages):
         return (*render_with_loss_mask(messages, tokenizer, chat_template_kwargs, end_of_turn), True)
     end_of_turn = _end_of_turn(tokenizer, end_of_turn)
-    text = render_text(messages, tokenizer, chat_template_kwargs)
+    text, reply_spans = _rendered_replies(messages, tokenizer, chat_template_kwargs, end_of_turn)
     replies = [message for message in messages if message["role"] == "assistant"]
     input_ids, loss_mask, cursor = [], [], 0
     for number, reply in enumerate(replies, start=1):
@@ -131,7 +131,7 @@ def render_with_token_ids(
                 f"reply {number}: its 'token_ids' do not decode to its content (the text was changed after "
                 "the ids were generated, or the ids belong to another reply); regenerate it or remove 'token_ids'",
             )
-    for reply, (start, content_end, end) in zip(replies, _assistant_spans(text, messages, end_of_turn)):
+    for reply, (start, content_end, end) in zip(replies, reply_spans):
         before = _encode(tokenizer, text[cursor:start])
         reply_ids = reply.get("token_ids") or _encode(tokenizer, text[start:content_end])
         closing = _encode(tokenizer, text[content_end:end])  # whitespace and the end-of-turn marker
@@ -141,6 +141,26 @@ def render_with_token_ids(
     after = _encode(tokenizer, text[cursor:])
     input_ids, loss_mask = input_ids + after, loss_mask + [0] * len(after)
     return input_ids, loss_mask, input_ids == _encode(tokenizer, text)
+
+
+def _rendered_replies(
+    messages: list[dict], tokenizer: Any, chat_template_kwargs: dict[str, Any] | None, end_of_turn: str
+) -> tuple[str, list[tuple[int, int, int]]]:
+    """The conversation's text and each reply's span in it (`_assistant_spans`). When the
+    conversation ends with a reply and the template puts text between the generation prompt and
+    that reply (Qwen3's templates add an empty think block before a reply without `</think>`, such
+    as a thinking reply cut at the length limit), the text before the reply is the generation
+    prompt itself: what the target was given when it wrote the reply, and what a server gives it."""
+    text = render_text(messages, tokenizer, chat_template_kwargs)
+    spans = _assistant_spans(text, messages, end_of_turn)
+    if len(messages) < 2 or messages[-1]["role"] != "assistant":
+        return text, spans
+    start = spans[-1][0]
+    prompt = render_text(messages[:-1], tokenizer, chat_template_kwargs, add_generation_prompt=True)
+    if text[:start] == prompt or not text[:start].startswith(prompt):
+        return text, spans
+    shift = start - len(prompt)
+    return prompt + text[start:], [*spans[:-1], tuple(position - shift for position in spans[-1])]
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
