@@ -216,8 +216,18 @@ def test_rope_scaling_that_contradicts_rope_parameters_is_refused(v2):
         normalize_draft_config(cfg)
 
 
-def test_normalize_sets_use_sliding_window(v2):
+def test_normalize_refuses_sliding_layers_whose_loaders_read_another_model(v2):
+    # a config of another tool: the loaders apply no window without use_sliding_window, and make
+    # sliding layers causal without is_causal; filling either in changed the model it describes
+    assert "sliding_attention" in v2["layer_types"]
     v2["use_sliding_window"] = False
+    with pytest.raises(ValueError, match="use_sliding_window=False: loaders then apply no window"):
+        normalize_draft_config(v2)
+    v2["use_sliding_window"] = True
+    del v2["is_causal"]
+    with pytest.raises(ValueError, match="is_causal is not set: loaders then make those layers causal"):
+        normalize_draft_config(v2)
+    v2["is_causal"] = False
     assert normalize_draft_config(v2)["use_sliding_window"] is True
 
 
@@ -416,10 +426,15 @@ def test_qwen3_config_round_trip(path):
 
 def test_qwen3_config_from_flat_config_keeps_sliding_window(v2):
     flat = flatten_to_top_level(v2)
-    del flat["use_sliding_window"]  # Qwen3Config alone would drop sliding_window here
     config = to_qwen3_config(flat)
     assert config.sliding_window == 2048
     assert draft_value(config, "conv_kernel_size") == 2
+    # without use_sliding_window, Qwen3Config (and so the reference loader) drops the window: such a
+    # config describes another model than one with the window, and is refused rather than filled in
+    del flat["use_sliding_window"]
+    assert Qwen3Config(**{k: v for k, v in flat.items() if k != "dflash_config"}).sliding_window is None
+    with pytest.raises(ValueError, match="use_sliding_window=None: loaders then apply no window"):
+        to_qwen3_config(flat)
 
 
 # ---------------------------------------------------------------------------------------------------------

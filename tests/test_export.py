@@ -245,9 +245,17 @@ def test_export_refuses_and_leaves_old_export(tmp_path):
 
 def test_export_writes_contract_config(tmp_path):
     cfg = load_config_dict(TINY_V2)
-    flat = {k: v for k, v in cfg.items() if k not in ("dflash_config", "use_sliding_window", "is_causal")}
+    flat = {k: v for k, v in cfg.items() if k != "dflash_config"}
     flat.update(cfg["dflash_config"])  # every DFlash field at the top level
     flat["torch_dtype"] = "float32"
+    # with sliding layers, leaving out either changes the model the loaders read: refused, not filled
+    without_causal = {k: v for k, v in flat.items() if k != "is_causal"}
+    for config, field in (
+        (without_causal, "is_causal"),
+        ({**flat, "use_sliding_window": None}, "use_sliding_window"),
+    ):
+        with pytest.raises(ValueError, match=field):
+            export_draft(synthetic_tensors(cfg, torch.float32), tmp_path / "refused", config=config)
     out = export_draft(synthetic_tensors(cfg, torch.float32), tmp_path / "out", config=flat)
     written = json.loads((out / "config.json").read_text())
     assert written["dflash_config"] == cfg["dflash_config"]
@@ -447,3 +455,43 @@ def test_a_draft_tokenizer_mask_token_mismatch_names_both(tmp_path, tiny_default
     )
     with pytest.raises(ValueError, match=r"tokenizer .*tiny/target\)"):
         build_draft(tmp_path / "hf" / "config.json", tokenizer=AutoTokenizer.from_pretrained(target))
+
+
+def test_load_draft_reads_an_export_as_the_servers_do(tmp_path):
+    # a DFlash 2 field at the top level is ignored by SGLang: load_draft moved it into dflash_config
+    # and evaluated a model with those convolutions, which the server then served without them
+    cfg, tensors = good_export(tmp_path / "good")
+    flat = {k: v for k, v in cfg.items() if k != "dflash_config"}
+    nested = dict(cfg["dflash_config"])
+    flat["conv_kernel_size"], flat["conv_group_size"] = (
+        nested.pop("conv_kernel_size"),
+        nested.pop("conv_group_size"),
+    )
+    write_dir(tmp_path / "top-level", {**flat, "dflash_config": nested}, tensors)
+    assert check_export(tmp_path / "top-level") != []
+    with pytest.raises(
+        ValueError, match=r"the servers would not load this draft as trained: .*conv_kernel_size"
+    ):
+        load_draft(tmp_path / "top-level")
+
+    # a sharded export (an index and two files), which --check accepts, loads with the same weights
+    names = sorted(tensors)
+    halves = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    (tmp_path / "sharded").mkdir()
+    (tmp_path / "sharded" / "config.json").write_text(json.dumps(cfg))
+    for file, part in halves.items():
+        save_file({name: tensors[name] for name in part}, str(tmp_path / "sharded" / file))
+    weight_map = {name: file for file, part in halves.items() for name in part}
+    (tmp_path / "sharded" / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert check_export(tmp_path / "sharded") == []
+    loaded = load_draft(tmp_path / "sharded").state_dict()  # FileNotFoundError before
+    assert all(torch.equal(loaded[name], tensors[name]) for name in tensors)
+
+
+@pytest.mark.parametrize("value", [5, ["block_size"]])
+def test_check_lists_a_dflash_config_that_is_not_an_object(tmp_path, value):
+    cfg, tensors = good_export(tmp_path / "good")
+    write_dir(tmp_path / "bad", {**cfg, "dflash_config": value}, tensors)
+    result = run_cli("--check", tmp_path / "bad")  # a TypeError traceback before
+    assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
+    assert "dflash_config" in result.stdout + result.stderr

@@ -117,7 +117,8 @@ def config_field(config: Any, name: str, default: Any = None) -> Any:
 
 def draft_value(config: Any, name: str, default: Any = None) -> Any:
     """A DFlash field the way loaders read it: nested ``dflash_config`` first, else the top level."""
-    nested = config_field(config, "dflash_config") or {}
+    nested = config_field(config, "dflash_config")
+    nested = nested if isinstance(nested, dict) else {}  # another type is reported by validation
     if name in nested:
         return nested[name]
     return config_field(config, name, default)
@@ -230,6 +231,26 @@ def _qwen3_layer_types(cfg: dict, num_layers: int) -> list[str]:
     ]
 
 
+def _check_sliding_semantics(cfg: dict) -> None:
+    """Sliding layers listed in `layer_types` mean something else to the loaders when `is_causal` is
+    unset (causal within the block) or `use_sliding_window` is not true (no window): filling either
+    in would change the model that a config of another tool describes, so both must be written."""
+    if "sliding_attention" not in (cfg.get("layer_types") or []):
+        return
+    if "is_causal" not in cfg:
+        raise ValueError(
+            "layer_types has sliding_attention layers and is_causal is not set: loaders then make those layers "
+            "causal within the block, while a DFlash draft is trained with is_causal: false; write is_causal "
+            "explicitly (false for a DFlash draft; a draft trained otherwise cannot follow the contract)"
+        )
+    if cfg.get("use_sliding_window") is not True:
+        raise ValueError(
+            f"layer_types has sliding_attention layers but use_sliding_window={cfg.get('use_sliding_window')!r}: "
+            "loaders then apply no window to them; set use_sliding_window: true (and sliding_window), or make "
+            "those layers full_attention, whichever the draft was trained with"
+        )
+
+
 def normalize_draft_config(cfg: dict) -> dict:
     """A new dict in canonical form: DFlash fields nested, defaults filled, nothing dropped.
 
@@ -242,6 +263,7 @@ def normalize_draft_config(cfg: dict) -> dict:
         out["num_target_layers"] = nested["num_target_layers"]
     out.setdefault("architectures", [DEFAULT_ARCHITECTURE])
     out.setdefault("model_type", "qwen3")
+    _check_sliding_semantics(out)
     out.setdefault("is_causal", False)
     out.setdefault("tie_word_embeddings", False)
     num_layers = out.get("num_hidden_layers")

@@ -17,10 +17,11 @@ from dflash2.models.config import (
     load_config_dict,
     normalize_draft_config,
     to_qwen3_config,
+    validate_draft_config,
 )
 from dflash2.models.draft import DFlash2DraftModel, DFlashDraftModel
 from dflash2.models.spec import DraftSpec
-from dflash2.target.files import SINGLE_FILE
+from dflash2.target.files import INDEX_FILE, SINGLE_FILE, tensor_files
 
 DRAFT_REGISTRY: dict[str, type[DFlashDraftModel]] = {
     cls.architecture.name: cls for cls in (DFlashDraftModel, DFlash2DraftModel)
@@ -81,8 +82,22 @@ def load_draft(export_dir: str | Path, dtype: torch.dtype | None = None) -> DFla
     """Load an export (config.json + model.safetensors). Missing, unexpected or misshapen tensors
     are errors: the servers would silently drop or zero them."""
     export_dir = Path(export_dir)
+    problems = validate_draft_config(load_config_dict(export_dir), source=export_dir / "config.json")
+    if problems:  # read as it is, as the servers read it: not normalised into another model first
+        raise ValueError(
+            f"{export_dir}: the servers would not load this draft as trained: "
+            + "; ".join(problems)
+            + f" (`python -m dflash2.export {export_dir} <out>` rewrites the layout of its config.json)"
+        )
     draft = build_draft(export_dir)
-    state = load_file(str(export_dir / SINGLE_FILE))
+    files = tensor_files(export_dir)
+    if files is None:
+        raise ValueError(
+            f"{export_dir}: neither {SINGLE_FILE} nor {INDEX_FILE}; an export holds its weights there"
+        )
+    state = {}
+    for file in sorted(set(files.values())):
+        state.update(load_file(str(file)))
     state = {k.removeprefix("model."): v for k, v in state.items()}
     expected = draft.state_dict()
     missing = sorted(set(expected) - set(state))
