@@ -220,6 +220,12 @@ class RunConfig(_Section):
             raise ValueError(
                 f"capture_ranks={self.capture_ranks} is only meaningful with topology=disaggregated"
             )
+        if self.topology == "disaggregated" and self.data.features_dir:
+            raise ValueError(
+                f"data.features_dir={self.data.features_dir!r} with topology=disaggregated: its capture ranks "
+                "would run the target anyway and the features go unread; train from the features with "
+                "topology=colocated (no capture ranks), or unset data.features_dir"
+            )
         entry = BACKENDS[self.backend]
         if entry.one_process and self.topology == "disaggregated":
             raise ValueError(
@@ -321,24 +327,58 @@ def require_path(path: str | Path, name: str, kind: str, what: str) -> Path:
 
 
 def check_model_paths(cfg: RunConfig) -> None:
-    """model.target and model.draft_config, checked before anything loads."""
+    """model.target and model.draft_config, checked before anything loads (every problem at once)."""
+    _raise_all(_model_path_checks(cfg))
+
+
+def _model_path_checks(cfg: RunConfig) -> list:
     model = "the local directory of a Hugging Face causal LM (config.json, safetensors, tokenizer)"
-    if not (require_path(cfg.model.target, "model.target", "dir", model) / "config.json").is_file():
-        raise ValueError(f"model.target={cfg.model.target!r} has no config.json: give {model}")
-    require_path(cfg.model.draft_config, "model.draft_config", "file", "the draft's config.json")
+
+    def target() -> None:
+        if not (require_path(cfg.model.target, "model.target", "dir", model) / "config.json").is_file():
+            raise ValueError(f"model.target={cfg.model.target!r} has no config.json: give {model}")
+
+    return [
+        target,
+        lambda: require_path(cfg.model.draft_config, "model.draft_config", "file", "the draft's config.json"),
+    ]
 
 
 def check_run_paths(cfg: RunConfig) -> None:
     """Every local path a run reads, checked before anything loads (run from the directory the
-    config's relative paths start from, usually the repository root)."""
-    check_model_paths(cfg)
-    check_data_paths(cfg)
-    for key, what in BACKENDS[cfg.backend].files:
-        require_path(getattr(cfg, key), key, "file", what)
+    config's relative paths start from, usually the repository root); every problem at once."""
+    checks = [*_model_path_checks(cfg), lambda: check_data_paths(cfg)]
+    checks += [
+        lambda key=key, what=what: require_path(getattr(cfg, key), key, "file", what)
+        for key, what in BACKENDS[cfg.backend].files
+    ]
     if cfg.train.resume not in ("auto", "none"):
-        require_path(cfg.train.resume, "train.resume", "dir", "a checkpoint directory, auto or none")
+        checks.append(
+            lambda: require_path(
+                cfg.train.resume, "train.resume", "dir", "a checkpoint directory, auto or none"
+            )
+        )
     if Path(cfg.output_dir).exists() and not Path(cfg.output_dir).is_dir():
-        raise ValueError(f"output_dir={cfg.output_dir!r} is a file: give a directory for the run")
+        checks.append(
+            lambda: _raise(f"output_dir={cfg.output_dir!r} is a file: give a directory for the run")
+        )
+    _raise_all(checks)
+
+
+def _raise(message: str) -> None:
+    raise ValueError(message)
+
+
+def _raise_all(checks: list) -> None:
+    """Run every check; one ValueError with each failed check's message on its own line."""
+    problems = []
+    for check in checks:
+        try:
+            check()
+        except ValueError as error:
+            problems.append(str(error))
+    if problems:
+        raise ValueError("\n".join(problems))
 
 
 def check_data_paths(cfg: RunConfig) -> None:

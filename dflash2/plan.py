@@ -98,8 +98,11 @@ def load_target_config(path: str | Path):
         return AutoConfig.from_pretrained(path)
     if not path.is_file():
         raise ValueError(f"target config {path} does not exist; pass --target-config <config.json or dir>")
-    data = json.loads(path.read_text())
-    if "model_type" not in data:
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"target config {path} is not valid JSON ({error}); fix the file") from None
+    if not isinstance(data, dict) or "model_type" not in data:
         raise ValueError(f"{path}: a target config.json needs a model_type (e.g. qwen3)")
     return AutoConfig.for_model(**data)
 
@@ -271,6 +274,7 @@ def plan_run(cfg: RunConfig, *, world_size: int, target_config, device_gb: float
         raise ValueError(f"{error} (--world-size {world_size})") from None
     draft, target = meta_models(cfg, target_config)
     shapes = step_shapes(cfg, draft)
+    backend_class(cfg.backend).check_config(cfg)
     offload = backend_class(cfg.backend).plan_offload(cfg)
     target_part = target_items(cfg, target, shapes, num_capture or world_size, offload)
     draft_part = draft_items(cfg, draft, target, shapes, world_size - num_capture, offload)
@@ -279,13 +283,25 @@ def plan_run(cfg: RunConfig, *, world_size: int, target_config, device_gb: float
     checkpoint = count_params(draft).total * (CHECKPOINT_WEIGHT_BYTES + CHECKPOINT_STATE_BYTES)
     plan = Plan(header=header, roles=roles, device_bytes=device_gb * GIB, checkpoint_bytes=checkpoint)
     plan.warnings = [
-        f"{role.role} ranks need {role.total() / GIB:.1f} GiB > {device_gb:g} GiB per device: "
-        "lower train.micro_batch_size, data.max_length or objective.num_anchors, add ranks, "
-        "or offload (ds_configs/zero3_offload.json)"
+        f"{role.role} ranks need {role.total() / GIB:.1f} GiB > {device_gb:g} GiB per device: {_fit_hint(cfg, role.role)}"
         for role in roles
         if role.total() > plan.device_bytes
     ]
     return plan
+
+
+def _fit_hint(cfg: RunConfig, role: str) -> str:
+    """What may make `role`'s ranks fit: capture ranks hold target shards only; offload is DeepSpeed's."""
+    offload = (
+        "or offload (ds_config=ds_configs/zero3_offload.json)"
+        if cfg.backend == "deepspeed"
+        else "or offload with backend=deepspeed ds_config=ds_configs/zero3_offload.json (FSDP2 here offloads nothing)"
+    )
+    if role == "capture":
+        return (
+            f"add capture ranks (capture_ranks), lower train.micro_batch_size or data.max_length, {offload}"
+        )
+    return f"lower train.micro_batch_size, data.max_length or objective.num_anchors, add ranks, {offload}"
 
 
 def target_items(

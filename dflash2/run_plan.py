@@ -20,6 +20,7 @@ from dflash2.checkpoint import TrainState, read_train_state, resume_point, run_c
 from dflash2.config import RunConfig, check_data_paths, check_model_paths
 from dflash2.data.loader import pad_token_id_of
 from dflash2.data.prepare import build_dataset, check_token_ids_in_vocab
+from dflash2.distributed.registry import check_backend_config
 from dflash2.identity import RunIdentity
 from dflash2.models.config import check_draft_config, load_config_dict, to_qwen3_config
 from dflash2.models.spec import DraftSpec
@@ -94,6 +95,7 @@ def resolve_run(cfg: RunConfig, data_parallel_size: int = 1, *, check_data: bool
             f"resolve_run takes a RunConfig, not {type(cfg).__name__}: pass load_run_config(path)"
         )
     check_model_paths(cfg)
+    check_backend_config(cfg)
     if check_data:
         check_data_paths(cfg)
     cfg = cfg.with_batch_layout(data_parallel_size)

@@ -236,3 +236,72 @@ def test_a_user_error_after_the_group_starts_is_printed_once(tmp_path, rank_0_er
     printed = ("error: " if rank_0_errs else "error (rank 1): ") + message
     assert result.stderr.count(printed) == 1, result.stderr
     assert result.stderr.count("error") == 1 and "Traceback" not in result.stderr, result.stderr
+
+
+def test_what_the_trainer_would_refuse_late_is_refused_before_anything_loads(
+    monkeypatch, capsys, tiny_default, tmp_path
+):
+    """The SLURM pre-flight, the trainer's launcher and the planner refuse a DeepSpeed JSON the run
+    cannot use (checked after the target had loaded before: gradient_clipping and bf16.enabled) and
+    a draft config of another target (the pre-flight passed it before), naming the file and the fix."""
+    ds = json.loads((REPO / "ds_configs/zero3.json").read_text())
+    files = {
+        "stage2.json": json.dumps({**ds, "zero_optimization": {"stage": 2}}),
+        "clipping.json": json.dumps({**ds, "gradient_clipping": 0.5}),
+        "bf16.json": json.dumps({**ds, "bf16": {"enabled": False}}),
+        "malformed.json": '{"zero_optimization": {stage: 3}}',
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    base = [
+        f"model.target={tiny_default.target_dir}",
+        f"data.train={tiny_default.train_jsonl}",
+        "backend=deepspeed",
+    ]
+    cases = [
+        ([f"ds_config={tmp_path / 'stage2.json'}"], "zero_optimization.stage = 3"),
+        (
+            [f"ds_config={tmp_path / 'clipping.json'}"],
+            "gradient_clipping=0.5 but train.max_grad_norm gives 1.0",
+        ),
+        (
+            [f"ds_config={tmp_path / 'bf16.json'}", "precision=bf16"],
+            "bf16.enabled=False but precision='bf16' gives True",
+        ),
+        (
+            [f"ds_config={tmp_path / 'malformed.json'}"],
+            f"ds_config='{tmp_path / 'malformed.json'}' is not valid JSON",
+        ),
+        (["model.draft_config=configs/draft/smollm2-dflash2.json"], "hidden_size=576"),
+    ]
+    for overrides, fragment in cases:
+        preflight = ["--world-size", "1", str(TINY_CONFIG), *base, *overrides]
+        assert_one_message(*run_cli(monkeypatch, capsys, "launch/slurm/preflight.py", preflight), fragment)
+        train = ["--config", str(TINY_CONFIG), *base, *overrides]
+        assert_one_message(*run_cli(monkeypatch, capsys, "launch/train.py", train), fragment)
+    planner = [str(TINY_CONFIG), "--world-size", "1", "--target-config", str(tiny_default.target_dir)]
+    assert_one_message(*run_cli(monkeypatch, capsys, "dflash2.plan", [*planner, *cases[1][0]]), cases[1][1])
+
+
+def test_every_missing_path_and_a_setting_that_would_be_ignored_are_named_at_once(
+    monkeypatch, capsys, tmp_path
+):
+    arguments = [
+        "--config",
+        str(TINY_CONFIG),
+        "model.target=/nowhere/target",
+        "data.train=/nowhere/data.jsonl",
+    ]
+    code, stderr = run_cli(monkeypatch, capsys, "launch/train.py", arguments)  # one of them at a time before
+    assert_one_message(code, stderr, "model.target='/nowhere/target'", "data.train='/nowhere/data.jsonl'")
+    arguments = [
+        "--config",
+        str(TINY_CONFIG),
+        "topology=disaggregated",
+        "capture_ranks=1",
+        f"data.features_dir={tmp_path}",
+    ]
+    code, stderr = run_cli(
+        monkeypatch, capsys, "launch/train.py", arguments
+    )  # the features went unread before
+    assert_one_message(code, stderr, "with topology=disaggregated", "topology=colocated")

@@ -222,6 +222,12 @@ class Backend(ABC):
     # ---- the planner's arithmetic (class methods: dflash2.plan, on the meta device) ----------------
 
     @classmethod
+    def check_config(cls, cfg: RunConfig) -> None:
+        """What this backend reads besides the run config (its own files), checked before anything
+        loads; a ValueError names the fix. Nothing by default."""
+        return None
+
+    @classmethod
     def plan_offload(cls, cfg: RunConfig) -> tuple[bool, bool]:
         """(parameters, optimizer state) offloaded to the host by this backend's settings."""
         return False, False

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import json
 import math
 from contextlib import AbstractContextManager
 from datetime import timedelta
@@ -17,7 +16,7 @@ from torch import nn
 from dflash2.config import OptimConfig, Precision, torch_dtype
 from dflash2.distributed import state_io
 from dflash2.distributed.base import DTYPE_BYTES, Backend, MemoryItem, ParamCounts, RankLayout
-from dflash2.distributed.ds_config import resolve_ds_config, set_ds_value
+from dflash2.distributed.ds_config import check_ds_knobs, load_ds_config, resolve_ds_config, set_ds_value
 from dflash2.distributed.env import check_build_locks
 from dflash2.optim import build_optimizer
 from dflash2.target.head import TargetHead, head_tensors
@@ -100,7 +99,7 @@ class DeepSpeedBackend(Backend):
             raise ValueError(f"backend {cls.name!r} needs a ds_config path (e.g. ds_configs/zero3.json)")
         layout = RankLayout.of_group(draft_group)
         resolved = resolve_ds_config(
-            json.loads(Path(config_path).read_text()),
+            load_ds_config(config_path),
             micro_batch_size=micro_batch_size,
             grad_accum_steps=grad_accum_steps,
             dp_world_size=layout.world_size,
@@ -116,12 +115,15 @@ class DeepSpeedBackend(Backend):
         )
 
     @classmethod
+    def check_config(cls, cfg: RunConfig) -> None:
+        check_ds_knobs(
+            load_ds_config(cfg.ds_config), max_grad_norm=cfg.train.max_grad_norm, precision=cfg.precision
+        )
+
+    @classmethod
     def plan_offload(cls, cfg: RunConfig) -> tuple[bool, bool]:
         """(offload_param, offload_optimizer) from the DeepSpeed JSON."""
-        path = Path(cfg.ds_config)
-        if not path.is_file():
-            raise ValueError(f"ds_config {cfg.ds_config!r} does not exist; set ds_config to a DeepSpeed JSON")
-        zero = json.loads(path.read_text()).get("zero_optimization", {})
+        zero = load_ds_config(cfg.ds_config).get("zero_optimization", {})
 
         def offloaded(key: str) -> bool:
             return zero.get(key, {}).get("device", "none") in ("cpu", "nvme")

@@ -101,8 +101,10 @@ def load_config_dict(source: str | Path | dict) -> dict:
         raise ValueError(
             f"config source {str(source)!r}{where}: no such file; pass a config.json or its directory"
         )
-    with open(path) as f:
-        cfg = json.load(f)
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path}: not valid JSON ({error}); fix the file") from None
     if not isinstance(cfg, dict):
         raise ValueError(f"{path}: expected a JSON object, found {type(cfg).__name__}")
     return cfg

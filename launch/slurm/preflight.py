@@ -2,7 +2,8 @@
 
     python launch/slurm/preflight.py --world-size N <config.yaml> [key=value ...]
 
-The same checks as launch/train.py (the run config, its overrides and every path it reads) plus what
+The same checks as launch/train.py (the run config, its overrides, every path it reads, the draft config
+against the target, the backend's files such as a DeepSpeed JSON, the checkpoint to resume) plus what
 a requeued job needs: train.resume auto (a requeued job reruns the same command and must continue from
 the latest checkpoint in the fixed output_dir), a global batch that this job's GPUs can split, at
 least one trainer rank. A problem is one message and exit 2 (no traceback), before any node starts.
@@ -20,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 
 from dflash2.config import check_run_paths, load_run_config  # noqa: E402
 from dflash2.errors import add_debug_flag, exit_process, run_main  # noqa: E402
+from dflash2.run_plan import resolve_run  # noqa: E402
 
 
 def check(config: str, overrides: list[str], world_size: int) -> str:
@@ -40,6 +42,9 @@ def check(config: str, overrides: list[str], world_size: int) -> str:
         t = cfg.with_batch_layout(data_parallel).train
     except ValueError as error:
         raise ValueError(f"{error} (this job has {world_size} GPUs)") from None
+    resolve_run(
+        cfg, data_parallel
+    )  # the draft config against the target, the backend's files, the resume point
     hint = (
         "" if t.global_batch_size else "; set train.global_batch_size to requeue onto another number of GPUs"
     )
