@@ -24,7 +24,11 @@ master_addr=${MASTER_ADDR:-$(awk 'NF && $1 !~ /^#/ {print $1; exit}' "$HOSTFILE"
 
 # One env file for the launcher (DS_ENV_FILE) with the user's lines and this run's settings.
 env_file=$(mktemp "${TMPDIR:-/tmp}/dflash2-deepspeed-env.XXXXXX")
-for listed in ~/.deepspeed_env .deepspeed_env; do [[ -f $listed ]] && cat "$listed" >>"$env_file"; done
+# line by line (grep ends each with a newline: a file whose last line had none merged it into the next
+# one's first) and without blank lines (DeepSpeed's runner fails on a line without '=')
+for listed in ~/.deepspeed_env .deepspeed_env; do
+  [[ -f $listed ]] && { grep -v '^[[:space:]]*$' "$listed" >>"$env_file" || true; }
+done
 env | grep -E '^(DFLASH2|TORCH)_[A-Za-z0-9_]*=' >>"$env_file" || true
 export DS_ENV_FILE=$env_file
 

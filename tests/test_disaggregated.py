@@ -22,7 +22,7 @@ import pytest
 from dflash2.capture.transfer import capture_schedule
 from dflash2.checkpoint import find_latest, read_train_state
 from dflash2.config import load_run_config
-from dflash2.errors import EXIT_STOPPED
+from dflash2.errors import EXIT_STOPPED, EXIT_USER_ERROR
 from dflash2.export import check_export
 from dflash2.run import check_capture_ranks
 from dflash2.target.head import target_num_parameters
@@ -189,6 +189,25 @@ def test_a_finished_run_launched_again_ends_at_once(fsdp_disaggregated, common, 
     again = check_ok(launch_train(3, args, extra_env={"DFLASH2_DIST_TIMEOUT_S": str(CRASH_BOUND_S)}))
     assert time.monotonic() - start < CRASH_BOUND_S and "resumed from" in again.stdout
     assert losses(run_dir) == losses(fsdp_disaggregated[0])  # nothing trained again
+
+
+def test_a_refused_resume_ends_every_rank_before_the_target_loads(fsdp_disaggregated, common, tmp_path):
+    # the contract was checked on trainer ranks only: the capture rank (rank 0) loaded the target,
+    # then held the job until the launcher killed it (300 s under launch/torchrun.py)
+    run_dir = tmp_path / "run"
+    shutil.copytree(fsdp_disaggregated[0], run_dir)
+    args = [
+        *common,
+        f"output_dir={run_dir}",
+        "topology=disaggregated",
+        "capture_ranks=1",
+        "objective.num_anchors=4",
+    ]
+    start = time.monotonic()
+    refused = launch_train(3, args, extra_env={"DFLASH2_DIST_TIMEOUT_S": str(CRASH_BOUND_S)})
+    assert refused.returncode == EXIT_USER_ERROR, refused.stdout + refused.stderr
+    assert time.monotonic() - start < CRASH_BOUND_S / 2
+    assert "num_anchors" in refused.stderr and "target parameters" not in refused.stdout
 
 
 @pytest.mark.slow

@@ -606,6 +606,8 @@ def test_multinode_deepspeed_forwards_the_runs_settings_to_every_node(tmp_path):
     lines: the script hands it one env file with the user's lines and this shell's DFLASH2_* and
     TORCH_* (a collective timeout set for the job reached no node before)."""
     (tmp_path / "hostfile").write_text("node0 slots=8\nnode1 slots=8\n")
+    (tmp_path / "home").mkdir()  # the user's file without a newline at its end, then a blank line
+    (tmp_path / "home" / ".deepspeed_env").write_text("HOME_SETTING=2\n\n  \nLAST_SETTING=3")
     (tmp_path / ".deepspeed_env").write_text("MY_SETTING=1\n")
     stub = tmp_path / "deepspeed"
     stub.write_text('#!/bin/bash\necho "args: $*"\ncat "$DS_ENV_FILE"\n')
@@ -627,5 +629,7 @@ def test_multinode_deepspeed_forwards_the_runs_settings_to_every_node(tmp_path):
     ).stdout
     assert "--hostfile" in out and "--master_addr node0" in out, out
     lines = out.splitlines()
+    # every line KEY=value, as DeepSpeed's runner splits them (LAST_SETTING=3MY_SETTING=1 before)
+    assert all("=" in line for line in lines[1:]) and "HOME_SETTING=2" in lines and "LAST_SETTING=3" in lines
     for line in ("MY_SETTING=1", "DFLASH2_DIST_TIMEOUT_S=3600", "TORCH_NCCL_ASYNC_ERROR_HANDLING=1"):
         assert line in lines, out

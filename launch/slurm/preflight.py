@@ -19,6 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a checkout without installing
 
+from dflash2.checkpoint import check_resume  # noqa: E402
 from dflash2.config import check_run_paths, load_run_config  # noqa: E402
 from dflash2.errors import add_debug_flag, exit_process, run_main  # noqa: E402
 from dflash2.run_plan import resolve_run  # noqa: E402
@@ -42,9 +43,9 @@ def check(config: str, overrides: list[str], world_size: int) -> str:
         t = cfg.with_batch_layout(data_parallel).train
     except ValueError as error:
         raise ValueError(f"{error} (this job has {world_size} GPUs)") from None
-    resolve_run(
-        cfg, data_parallel
-    )  # the draft config against the target, the backend's files, the resume point
+    plan = resolve_run(cfg, data_parallel)  # the draft config against the target, the backend's files
+    if plan.resume_from is not None:  # a requeue resumes it: a checkpoint of another run is refused here
+        check_resume(plan.resume_from, plan.contract)
     hint = (
         "" if t.global_batch_size else "; set train.global_batch_size to requeue onto another number of GPUs"
     )
