@@ -60,7 +60,7 @@ ACTIVATION_NOTES = {
     "mlp": "block rows x I x 4, per layer",
     "context": "fc + hidden_norm over [b, S, H]",
     "final norm": "[b, N, B, H]",
-    "objective": "slot rows, CE gradient, selector rows",
+    "objective": "slot rows, CE gradient, selector rows and candidates' head rows",
     "backward (one layer)": "gradients of one layer's activations",
 }
 
@@ -198,9 +198,11 @@ def draft_activation_bytes(s: StepShapes, act: int) -> dict[str, float]:
             "context": context_rows * s.hidden * (2 * act + FP32)
             + 2 * (context_rows + rows) * s.head_dim * act,
             "final norm": rows * s.hidden * (2 * act + FP32),
-            # gathered slot rows, their fp32 gradient from the chunked CE, selector codebook rows
+            # gathered slot rows, their fp32 gradient from the chunked CE, selector codebook rows, and
+            # the LM-head rows of each slot's top-k candidates that the selector's unary scores keep
             "objective": supervised * s.hidden * (act + FP32)
-            + supervised * s.selector_top_k * (s.selector_rank + s.selector_top_k) * 3 * act,
+            + supervised * s.selector_top_k * (s.selector_rank + s.selector_top_k) * 3 * act
+            + supervised * s.selector_top_k * s.hidden * act,
             "backward (one layer)": largest_layer,  # gradients of one layer's activations
         }
     )
