@@ -44,6 +44,20 @@ class ObjectiveConfig(ObjectiveSection):
             )
         return self
 
+    @model_validator(mode="after")
+    def _check_slot_weights(self) -> ObjectiveConfig:
+        # a slot whose weight rounds to 0 would drop out of the metrics as if it were not supervised
+        # (a run flushes subnormals to zero): the weighting must leave every slot a normal fp32 weight
+        last = float(slot_weights(self, self.block_size)[-1]) if self.block_size > 1 else 1.0
+        if last < torch.finfo(torch.float32).tiny:
+            key = "loss_gamma" if self.position_weighting == "gamma" else "position_decay"
+            raise ValueError(
+                f"objective.{key}={getattr(self, key)}: slot {self.block_size - 1} of a block of {self.block_size} "
+                f"would weigh {last:.3g}, below the smallest normal fp32 ({torch.finfo(torch.float32).tiny:.3g}); "
+                f"raise objective.{key}"
+            )
+        return self
+
     @property
     def loss_terms(self) -> LossTerms:
         return LossTerms(

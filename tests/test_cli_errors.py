@@ -72,8 +72,21 @@ def test_train_names_a_missing_relative_target_and_never_asks_the_hub(monkeypatc
         ),
         (["--config", str(TINY_CONFIG), "train.resume=/nowhere"], ["train.resume='/nowhere'"]),
         (["--config", str(TINY_CONFIG), "model.target=/nowhere/target"], ["model.target='/nowhere/target'"]),
+        (  # its last slot weighed 0 and dropped out of the metrics as if it were not supervised
+            ["--config", str(TINY_CONFIG), "objective.loss_gamma=0.01"],
+            ["objective.loss_gamma=0.01: slot 7 of a block of 8 would weigh 0", "raise objective.loss_gamma"],
+        ),
     ],
-    ids=["config", "override", "unknown-key", "did-you-mean", "data", "resume", "absolute-target"],
+    ids=[
+        "config",
+        "override",
+        "unknown-key",
+        "did-you-mean",
+        "data",
+        "resume",
+        "absolute-target",
+        "slot-weight",
+    ],
 )
 def test_train_config_errors(monkeypatch, capsys, tiny_default, arguments, fragments):
     overrides = [f"model.target={tiny_default.target_dir}", f"data.train={tiny_default.train_jsonl}"]
