@@ -4,6 +4,7 @@ group starts. Unknown keys are errors. The resolved config is saved in the run d
 from __future__ import annotations
 
 import difflib
+import json
 import os
 import re
 from dataclasses import dataclass
@@ -324,6 +325,18 @@ def require_path(path: str | Path, name: str, kind: str, what: str) -> Path:
     where = "" if found.is_absolute() else f" (relative to {os.getcwd()})"
     state = f"is not a {'file' if kind == 'file' else 'directory'}" if found.exists() else "does not exist"
     raise ValueError(f"{name}={str(path)!r}{where} {state}: give {what}")
+
+
+def read_json_object(path: Path, name: str) -> dict:
+    """The JSON object in file `path`; a malformed file or another JSON value is a ValueError that
+    names it as `name` (e.g. "ds_config='ds.json'")."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{name} is not valid JSON ({error}); fix the file") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{name}: expected a JSON object, found {type(value).__name__}")
+    return value
 
 
 def check_model_paths(cfg: RunConfig) -> None:

@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from dflash2.config import read_json_object
+
 
 def resolve_ds_config(
     ds_config: dict[str, Any], *, micro_batch_size: int, grad_accum_steps: int, dp_world_size: int
@@ -50,13 +52,7 @@ def load_ds_config(path: str | Path) -> dict[str, Any]:
         raise ValueError(
             f"ds_config={str(path)!r} does not exist; set ds_config to a DeepSpeed JSON (e.g. ds_configs/zero3.json)"
         )
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"ds_config={str(path)!r} is not valid JSON ({error}); fix the file") from None
-    if not isinstance(config, dict):
-        raise ValueError(f"ds_config={str(path)!r}: expected a JSON object, found {type(config).__name__}")
-    return config
+    return read_json_object(path, f"ds_config={str(path)!r}")
 
 
 def check_ds_knobs(config: dict[str, Any], *, max_grad_norm: float, precision: str) -> None:

@@ -15,7 +15,6 @@ Two views of a config exist on purpose:
 from __future__ import annotations
 
 import copy
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ from typing import Any
 
 from transformers import Qwen3Config
 
+from dflash2.config import read_json_object
 from dflash2.target.files import CONFIG_FILE
 
 NESTED_ONLY_KEYS = (
@@ -101,13 +101,7 @@ def load_config_dict(source: str | Path | dict) -> dict:
         raise ValueError(
             f"config source {str(source)!r}{where}: no such file; pass a config.json or its directory"
         )
-    try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{path}: not valid JSON ({error}); fix the file") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: expected a JSON object, found {type(cfg).__name__}")
-    return cfg
+    return read_json_object(path, str(path))
 
 
 def config_field(config: Any, name: str, default: Any = None) -> Any:
