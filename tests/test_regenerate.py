@@ -272,9 +272,17 @@ def test_local_regeneration_keeps_the_generated_ids_and_answers_prompt_only_reco
         for row in _conversations(tiny_default, 4)[1:]
     ]
     assert all(row["conversations"][0]["role"] == "user" for row in rows)  # prompt-only records
+    # a limit that the shortest greedy reply ends within and a longer one reaches (the tiny target is
+    # trained on each machine, and its replies' lengths differ between machines)
+    lengths = sorted(len(_greedy_ids(model, tiny_tokenizer, row["conversations"], 64)) for row in rows)
+    assert lengths[0] < lengths[-1], lengths
+    limit = lengths[0] + 1
     output = tmp_path / "regen.jsonl"
     regenerate_file(
-        _write_jsonl(tmp_path / "in.jsonl", rows), output, LocalTargetGenerator(model, tiny_tokenizer, 30), 2
+        _write_jsonl(tmp_path / "in.jsonl", rows),
+        output,
+        LocalTargetGenerator(model, tiny_tokenizer, limit),
+        2,
     )
 
     regenerated = {row["id"]: row for row in _read_jsonl(output)}  # written in order of prompt length
@@ -284,11 +292,7 @@ def test_local_regeneration_keeps_the_generated_ids_and_answers_prompt_only_reco
         user, reply = regenerated[row["id"]]["conversations"]
         assert user == row["conversations"][0] and reply["role"] == "assistant"
         # Reference: one unpadded greedy generate, cut before the first stop token (eos = <|im_end|>).
-        prompt = tiny_tokenizer.apply_chat_template([user], tokenize=False, add_generation_prompt=True)
-        prompt_ids = tiny_tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        with torch.no_grad():
-            generated = model.generate(torch.tensor([prompt_ids]), max_new_tokens=30, do_sample=False)
-        expected = generated[0, len(prompt_ids) :].tolist()
+        expected = _greedy_ids(model, tiny_tokenizer, [user], limit, keep_stop=True)
         cut.append(tiny_tokenizer.eos_token_id not in expected)
         if not cut[-1]:
             expected = expected[: expected.index(tiny_tokenizer.eos_token_id)]
@@ -296,6 +300,19 @@ def test_local_regeneration_keeps_the_generated_ids_and_answers_prompt_only_reco
         # a reply that reached the limit says so, as an OpenAI server would: no end-of-turn label
         assert reply.get("finish_reason") == ("length" if cut[-1] else None)
     assert any(cut) and not all(cut), cut  # both kinds of reply occurred
+
+
+def _greedy_ids(model, tokenizer, history, max_new_tokens, keep_stop=False) -> list[int]:
+    """One unpadded greedy generate after `history`'s generation prompt; cut before the first eos
+    unless `keep_stop`."""
+    prompt = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+    prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    with torch.no_grad():
+        generated = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False)
+    ids = generated[0, len(prompt_ids) :].tolist()
+    if keep_stop or tokenizer.eos_token_id not in ids:
+        return ids
+    return ids[: ids.index(tokenizer.eos_token_id)]
 
 
 # a ChatML-like template that refuses roles that do not alternate, as many published templates do
