@@ -56,6 +56,9 @@ GATE_OVERRIDES = (
     "objective.num_anchors=256",
     "objective.loss_gamma=null",
     "objective.loss_vocab_size=null",
+    # the replies it then decodes, not the prompts too (a recipe's supervised_tokens=all spent the 60
+    # steps on SmolLM2's 101 prompt tokens as well: in-sample acceptance 3.76 of 3.98, tau 3.33 / 4)
+    "objective.supervised_tokens=replies",
     "model.init_from_target=false",
     "model.init_target_layers=null",
     "train.lr=3e-3",
