@@ -21,7 +21,6 @@ from dflash2.faults import exit_with_launcher  # noqa: E402  (light: stdlib only
 exit_with_launcher()  # first: a worker whose launcher dies while the heavy imports below run still ends
 
 from dflash2.config import check_run_paths, load_run_config  # noqa: E402
-from dflash2.distributed.registry import check_backend_config  # noqa: E402
 from dflash2.errors import add_debug_flag, exit_process, run_main  # noqa: E402
 from dflash2.run import run_offline_capture  # noqa: E402
 
@@ -47,7 +46,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = load_run_config(args.config, args.overrides)
     check_run_paths(cfg)
-    check_backend_config(cfg)
     batch_size = args.batch_size or cfg.train.micro_batch_size
     if batch_size < 1 or args.shard_mb < 1:
         raise ValueError(f"--batch-size ({batch_size}) and --shard-mb ({args.shard_mb}) must be >= 1")

@@ -341,55 +341,44 @@ def read_json_object(path: Path, name: str) -> dict:
 
 def check_model_paths(cfg: RunConfig) -> None:
     """model.target and model.draft_config, checked before anything loads (every problem at once)."""
-    _raise_all(_model_path_checks(cfg))
+    _raise_all(_model_path_problems(cfg))
 
 
-def _model_path_checks(cfg: RunConfig) -> list:
+def _model_path_problems(cfg: RunConfig) -> list[str]:
     model = "the local directory of a Hugging Face causal LM (config.json, safetensors, tokenizer)"
-
-    def target() -> None:
-        if not (require_path(cfg.model.target, "model.target", "dir", model) / "config.json").is_file():
-            raise ValueError(f"model.target={cfg.model.target!r} has no config.json: give {model}")
-
-    return [
-        target,
-        lambda: require_path(cfg.model.draft_config, "model.draft_config", "file", "the draft's config.json"),
-    ]
+    problems = _problem(require_path, cfg.model.target, "model.target", "dir", model)
+    if not problems and not (Path(cfg.model.target) / "config.json").is_file():
+        problems.append(f"model.target={cfg.model.target!r} has no config.json: give {model}")
+    return problems + _problem(
+        require_path, cfg.model.draft_config, "model.draft_config", "file", "the draft's config.json"
+    )
 
 
 def check_run_paths(cfg: RunConfig) -> None:
     """Every local path a run reads, checked before anything loads (run from the directory the
     config's relative paths start from, usually the repository root); every problem at once."""
-    checks = [*_model_path_checks(cfg), lambda: check_data_paths(cfg)]
-    checks += [
-        lambda key=key, what=what: require_path(getattr(cfg, key), key, "file", what)
-        for key, what in BACKENDS[cfg.backend].files
-    ]
+    problems = _model_path_problems(cfg) + _problem(check_data_paths, cfg)
+    for key, what in BACKENDS[cfg.backend].files:
+        problems += _problem(require_path, getattr(cfg, key), key, "file", what)
     if cfg.train.resume not in ("auto", "none"):
-        checks.append(
-            lambda: require_path(
-                cfg.train.resume, "train.resume", "dir", "a checkpoint directory, auto or none"
-            )
+        problems += _problem(
+            require_path, cfg.train.resume, "train.resume", "dir", "a checkpoint directory, auto or none"
         )
     if Path(cfg.output_dir).exists() and not Path(cfg.output_dir).is_dir():
-        checks.append(
-            lambda: _raise(f"output_dir={cfg.output_dir!r} is a file: give a directory for the run")
-        )
-    _raise_all(checks)
+        problems.append(f"output_dir={cfg.output_dir!r} is a file: give a directory for the run")
+    _raise_all(problems)
 
 
-def _raise(message: str) -> None:
-    raise ValueError(message)
+def _problem(check: Any, *args: Any) -> list[str]:
+    """[the message of the ValueError `check(*args)` raises], or [] when it passes."""
+    try:
+        check(*args)
+    except ValueError as error:
+        return [str(error)]
+    return []
 
 
-def _raise_all(checks: list) -> None:
-    """Run every check; one ValueError with each failed check's message on its own line."""
-    problems = []
-    for check in checks:
-        try:
-            check()
-        except ValueError as error:
-            problems.append(str(error))
+def _raise_all(problems: list[str]) -> None:
     if problems:
         raise ValueError("\n".join(problems))
 

@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
 
 from dflash2.checkpoint import (
     CONTRACT,
@@ -46,7 +45,7 @@ from dflash2.models.config import (
 )
 from dflash2.models.registry import expected_tensor_shapes
 from dflash2.safetensors_io import save_tensors
-from dflash2.target.files import CONFIG_FILE, SINGLE_FILE, tensor_files
+from dflash2.target.files import CONFIG_FILE, SINGLE_FILE, load_weights, weight_files
 
 CONFIG_NAME = CONFIG_FILE
 WEIGHTS_NAME = SINGLE_FILE
@@ -142,11 +141,6 @@ def _expected_or_problem(cfg: dict, problems: list[str]) -> dict[str, tuple[int,
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _weight_files(path: Path) -> list[Path]:
-    files = tensor_files(path)
-    return sorted(set(files.values())) if files else []
-
-
 def read_tensor_meta(files: list[Path]) -> dict[str, tuple[tuple[int, ...], str]]:
     """name -> (shape, dtype name) from safetensors headers, without reading the data."""
     meta = {}
@@ -193,7 +187,7 @@ def check_export(path: str | Path, *, tokenizer: Any = None, target_config: Any 
     problems = validate_draft_config(
         cfg, tokenizer=tokenizer, target_config=target_config, source=path / CONFIG_NAME
     )
-    files = _weight_files(path)
+    files = weight_files(path)
     if not files:
         return problems + [f"{path}: no {WEIGHTS_NAME}; write the draft weights there"]
     meta = read_tensor_meta(files)
@@ -211,7 +205,7 @@ def summary(path: str | Path) -> str:
     """One line describing an export: architecture, layers, parameters, block size, dtype."""
     path = Path(path)
     cfg = load_config_dict(path)
-    meta = read_tensor_meta(_weight_files(path))
+    meta = read_tensor_meta(weight_files(path))
     num_params = sum(math.prod(shape) for shape, _ in meta.values())
     dtypes = sorted({dtype for _, dtype in meta.values()})
     return (
@@ -330,12 +324,9 @@ def load_source(path: str | Path) -> tuple[dict[str, torch.Tensor], dict]:
     path = Path(path)
     if holds_draft(path):
         return read_draft(path)
-    files = _weight_files(path)
+    files = weight_files(path)
     if (path / CONFIG_NAME).is_file() and files:
-        state = {}
-        for file in files:
-            state.update(load_file(file))
-        return state, load_config_dict(path)
+        return load_weights(files), load_config_dict(path)
     raise ValueError(
         f"{path}: expected {DRAFT_CONFIG} + {DRAFT_WEIGHTS} (training checkpoint) "
         f"or {CONFIG_NAME} + {WEIGHTS_NAME} (model directory)"

@@ -20,7 +20,6 @@ JSON's offload settings.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,10 +28,11 @@ import torch
 from torch import nn
 
 from dflash2.capture.transfer import PREFETCH_DEPTH
-from dflash2.config import BACKENDS, RunConfig, load_run_config
+from dflash2.config import BACKENDS, RunConfig, load_run_config, read_json_object
 from dflash2.distributed import backend_class
 from dflash2.distributed.base import DTYPE_BYTES, count_params
 from dflash2.distributed.base import MemoryItem as Item
+from dflash2.distributed.registry import check_backend_config
 from dflash2.errors import EXIT_DOES_NOT_FIT, add_debug_flag, exit_process, run_main
 from dflash2.models import build_draft
 from dflash2.models.attention import context_key_span
@@ -98,11 +98,8 @@ def load_target_config(path: str | Path):
         return AutoConfig.from_pretrained(path)
     if not path.is_file():
         raise ValueError(f"target config {path} does not exist; pass --target-config <config.json or dir>")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"target config {path} is not valid JSON ({error}); fix the file") from None
-    if not isinstance(data, dict) or "model_type" not in data:
+    data = read_json_object(path, f"target config {path}")
+    if "model_type" not in data:
         raise ValueError(f"{path}: a target config.json needs a model_type (e.g. qwen3)")
     return AutoConfig.for_model(**data)
 
@@ -276,7 +273,7 @@ def plan_run(cfg: RunConfig, *, world_size: int, target_config, device_gb: float
         raise ValueError(f"{error} (--world-size {world_size})") from None
     draft, target = meta_models(cfg, target_config)
     shapes = step_shapes(cfg, draft)
-    backend_class(cfg.backend).check_config(cfg)
+    check_backend_config(cfg)
     offload = backend_class(cfg.backend).plan_offload(cfg)
     target_part = target_items(cfg, target, shapes, num_capture or world_size, offload)
     draft_part = draft_items(cfg, draft, target, shapes, world_size - num_capture, offload)

@@ -25,7 +25,6 @@ exit_with_launcher()  # first: a worker whose launcher dies while the heavy impo
 stop_request.install()  # SIGTERM/SIGINT/SIGUSR1 from here on stop the run with a checkpoint (not kill it)
 
 from dflash2.config import check_run_paths, load_run_config  # noqa: E402
-from dflash2.distributed.registry import check_backend_config  # noqa: E402
 from dflash2.errors import EXIT_STOPPED, add_debug_flag, exit_process, run_main  # noqa: E402
 from dflash2.run import run  # noqa: E402
 
@@ -45,7 +44,6 @@ def main(argv: list[str] | None = None) -> int:
     )
     cfg = load_run_config(args.config, args.overrides)
     check_run_paths(cfg)
-    check_backend_config(cfg)
     run(cfg)
     return EXIT_STOPPED if stop_request.stopped else 0
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from dflash2.models.config import (
     ARCHITECTURES,
@@ -21,7 +20,7 @@ from dflash2.models.config import (
 )
 from dflash2.models.draft import DFlash2DraftModel, DFlashDraftModel
 from dflash2.models.spec import DraftSpec
-from dflash2.target.files import INDEX_FILE, SINGLE_FILE, tensor_files
+from dflash2.target.files import INDEX_FILE, SINGLE_FILE, load_weights, weight_files
 
 DRAFT_REGISTRY: dict[str, type[DFlashDraftModel]] = {
     cls.architecture.name: cls for cls in (DFlashDraftModel, DFlash2DraftModel)
@@ -90,14 +89,12 @@ def load_draft(export_dir: str | Path, dtype: torch.dtype | None = None) -> DFla
             + f" (`python -m dflash2.export {export_dir} <out>` rewrites the layout of its config.json)"
         )
     draft = build_draft(export_dir)
-    files = tensor_files(export_dir)
-    if files is None:
+    files = weight_files(export_dir)
+    if not files:
         raise ValueError(
             f"{export_dir}: neither {SINGLE_FILE} nor {INDEX_FILE}; an export holds its weights there"
         )
-    state = {}
-    for file in sorted(set(files.values())):
-        state.update(load_file(str(file)))
+    state = load_weights(files)
     state = {k.removeprefix("model."): v for k, v in state.items()}
     expected = draft.state_dict()
     missing = sorted(set(expected) - set(state))

@@ -1,12 +1,14 @@
-"""Which safetensors file of a Hugging Face model directory holds each tensor: one
-`model.safetensors`, or the shards named by `model.safetensors.index.json`."""
+"""Which safetensors file of a Hugging Face model directory holds each tensor (one
+`model.safetensors`, or the shards named by `model.safetensors.index.json`), and its tensors."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 CONFIG_FILE = "config.json"
 SINGLE_FILE = "model.safetensors"
@@ -26,6 +28,21 @@ def tensor_files(model_dir: str | Path) -> dict[str, Path] | None:
         weight_map = json.loads(index.read_text())["weight_map"]
         return {name: model_dir / file for name, file in weight_map.items()}
     return None
+
+
+def weight_files(model_dir: str | Path) -> list[Path]:
+    """The safetensors files of a directory (its one file, or the shards its index names), sorted;
+    [] when it has none."""
+    files = tensor_files(model_dir)
+    return sorted(set(files.values())) if files else []
+
+
+def load_weights(files: list[Path]) -> dict[str, torch.Tensor]:
+    """Every tensor of `files` (weight_files), as one state dict."""
+    state = {}
+    for file in files:
+        state.update(load_file(str(file)))
+    return state
 
 
 def target_tensor_files(target_dir: str | Path) -> dict[str, Path]:
