@@ -387,6 +387,33 @@ def test_validation_against_target(v2, field, value, message):
     assert validate_draft_config(v2, target_config=Qwen3Config(**TARGET)) == []
 
 
+@pytest.mark.parametrize(
+    "config_class, message",
+    [
+        ("Gemma2Config", "final_logit_softcapping=30.0"),  # and a scaled embedding
+        ("Gemma3TextConfig", "model_type 'gemma3_text' scales its input embeddings"),
+        ("CohereConfig", "logit_scale=0.0625"),
+        ("GraniteConfig", None),  # defaults 1.0: logits_scaling and embedding_multiplier unset
+    ],
+)
+def test_targets_that_scale_logits_or_embeddings_are_refused(v2, config_class, message):
+    """The draft borrows the bare embedding and LM head weights: a target whose own forward scales or
+    caps them (transformers' defaults for these families) would be distilled and embedded wrongly."""
+    import transformers
+
+    config = getattr(transformers, config_class)(**TARGET, num_attention_heads=4, num_key_value_heads=2)
+    problems = validate_draft_config(v2, target_config=config)
+    if message is None:
+        assert problems == []
+        config.logits_scaling, config.embedding_multiplier = 8.0, 12.0
+        problems = validate_draft_config(v2, target_config=config)
+        assert any("logits_scaling=8.0" in p for p in problems) and any(
+            "embedding_multiplier=12.0" in p for p in problems
+        )
+    else:
+        assert any(message in p and "docs/targets.md" in p for p in problems), problems
+
+
 def test_validation_against_tokenizer(v2):
     tokenizer = make_tokenizer(mask_id=5)
     problems = validate_draft_config(v2, tokenizer=tokenizer)

@@ -543,6 +543,35 @@ def _config_file(config: Any, unknown: str) -> str:
     return str(Path(where) / CONFIG_FILE) if Path(where).is_dir() else str(where)
 
 
+# Fields of a target's config that scale or cap its logits or its input embeddings. The draft
+# borrows the bare embedding and LM head weights (dflash2.target.head), so a target that sets one of
+# them would be distilled and embedded wrongly: refused, with the value that is harmless.
+_TARGET_SCALINGS = {
+    "final_logit_softcapping": None,  # Gemma 2
+    "logit_scale": 1.0,  # Cohere (its default 0.0625 scales the logits)
+    "logits_scaling": 1.0,  # Granite
+    "embedding_multiplier": 1.0,  # Granite
+    "scale_emb": 1.0,  # MiniCPM
+}
+_SCALED_EMBEDDING_TYPES = ("gemma",)  # Gemma multiplies its input embeddings by sqrt(hidden_size)
+
+
+def _check_target_family(target: Any, files: str, problems: list[str]) -> None:
+    model_type = str(config_field(target, "model_type") or "")
+    if model_type.startswith(_SCALED_EMBEDDING_TYPES):
+        problems.append(
+            f"the target's model_type {model_type!r} scales its input embeddings, which the draft borrows "
+            f"unscaled{files}; such targets are not supported (docs/targets.md lists the families that are)"
+        )
+    for name, harmless in _TARGET_SCALINGS.items():
+        value = config_field(target, name)
+        if value is not None and value != harmless and not (harmless is None and value == 0):
+            problems.append(
+                f"the target sets {name}={value!r}, which the draft's borrowed embedding and LM head would "
+                f"not apply{files}; such targets are not supported (docs/targets.md lists the families that are)"
+            )
+
+
 def _check_target(cfg: dict, target_config: Any, problems: list[str], source: Any = None) -> None:
     target = text_config_of(target_config)
     files = (
@@ -555,6 +584,7 @@ def _check_target(cfg: dict, target_config: Any, problems: list[str], source: An
                 f"{key}={cfg.get(key)!r} but the target's {key} is {config_field(target, key)!r}{files}; "
                 "they must be equal"
             )
+    _check_target_family(target, files, problems)
     num_target_layers = draft_value(cfg, "num_target_layers")
     if num_target_layers != config_field(target, "num_hidden_layers"):
         problems.append(
