@@ -178,10 +178,9 @@ def load_tokenizer(target_dir: Path):
 def choose_mask_token(target_dir: Path, tokenizer, text: dict, choices: DraftChoices):
     """(token written into the config or None, its id, a one-line note)."""
     if choices.mask_token_id is not None:
-        if tokenizer is not None and choices.mask_token_id in reserved_ids(target_dir, tokenizer):
-            raise ValueError(
-                f"--mask-token-id {choices.mask_token_id} is a stop, bos, pad or unk token of the target; "
-                "pass an id its replies never contain"
+        if tokenizer is not None:
+            refuse_reserved(
+                target_dir, tokenizer, choices.mask_token_id, f"--mask-token-id {choices.mask_token_id}"
             )
         return None, choices.mask_token_id, f"mask token id {choices.mask_token_id} (--mask-token-id)"
     if tokenizer is None:
@@ -195,13 +194,16 @@ def choose_mask_token(target_dir: Path, tokenizer, text: dict, choices: DraftCho
             raise ValueError(
                 f"--mask-token {choices.mask_token!r} is not a token of {target_dir}'s tokenizer"
             )
+        refuse_reserved(
+            target_dir, tokenizer, vocab[choices.mask_token], f"--mask-token {choices.mask_token!r}"
+        )
         return (
             choices.mask_token,
             vocab[choices.mask_token],
             f"mask token {choices.mask_token!r} (--mask-token)",
         )
     own = getattr(tokenizer, "mask_token", None)
-    if own is not None and own in vocab:
+    if own is not None and own in vocab and usable_mask(target_dir, tokenizer, own, vocab[own]):
         return None, vocab[own], f"mask token {own!r} (id {vocab[own]}): the tokenizer's own mask token"
     for token_id, token in unused_special_tokens(target_dir, tokenizer, text):
         note = (
@@ -225,6 +227,20 @@ def reserved_ids(target_dir: Path, tokenizer) -> set[int]:
     target = SimpleNamespace(config=AutoConfig.from_pretrained(target_dir), generation_config=generation)
     ids = {tokenizer.bos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
     return set(stop_token_ids(tokenizer, target)) | (ids - {None})
+
+
+def refuse_reserved(target_dir: Path, tokenizer, token_id: int, given: str) -> None:
+    if token_id in reserved_ids(target_dir, tokenizer):
+        raise ValueError(
+            f"{given} is a stop, bos, pad or unk token of the target (id {token_id}); pass a token its "
+            "replies never contain"
+        )
+
+
+def usable_mask(target_dir: Path, tokenizer, token: str, token_id: int) -> bool:
+    """A token that is not reserved (stop / bos / pad / unk) and that the chat template never renders."""
+    template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+    return token_id not in reserved_ids(target_dir, tokenizer) and token not in template
 
 
 def unused_special_tokens(target_dir: Path, tokenizer, text: dict) -> list[tuple[int, str]]:

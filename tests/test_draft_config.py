@@ -170,6 +170,18 @@ def test_no_unused_special_token_is_refused_naming_mask_token(tiny_default, tmp_
     assert (cfg["dflash_config"]["mask_token"], cfg["dflash_config"]["mask_token_id"]) == ("<|mask|>", 3)
 
 
+def test_a_tokenizer_mask_token_the_target_stops_on_is_passed_over(tiny_default, tmp_path, capsys):
+    target = tmp_path / "target"
+    shutil.copytree(tiny_default.target_dir, target)
+    tokenizer_config = json.loads((target / "tokenizer_config.json").read_text())
+    tokenizer_config["mask_token"] = tokenizer_config["eos_token"]
+    (target / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    cfg, _ = generate(capsys, target, "DFlash2DraftModel", tmp_path / "draft.json")
+    tokenizer = draft_config.load_tokenizer(target)
+    assert cfg["dflash_config"]["mask_token_id"] != tokenizer.eos_token_id
+    assert cfg["dflash_config"]["mask_token_id"] not in draft_config.reserved_ids(target, tokenizer)
+
+
 def test_refusals_are_one_message_exit_2(smollm2, tiny_default, tmp_path, capsys):
     base = ["--target", str(smollm2.target_dir), "--out", str(tmp_path / "x.json")]
     v2, v1 = [*base, "--arch", "DFlash2DraftModel"], [*base, "--arch", "DFlashDraftModel"]
@@ -182,6 +194,9 @@ def test_refusals_are_one_message_exit_2(smollm2, tiny_default, tmp_path, capsys
         capsys, *v2, "--mask-token-id", "2"
     )
     assert "--mask-token '<nope>' is not a token" in refusal(capsys, *v2, "--mask-token", "<nope>")
+    assert "--mask-token '<|im_end|>' is a stop, bos, pad or unk token of the target (id 2)" in refusal(
+        capsys, *v2, "--mask-token", "<|im_end|>"
+    )
     # what check_draft_config refuses comes through as one message too
     err = refusal(capsys, *v2, "--conv-kernel-size", "9")
     assert err.startswith("error: invalid draft config:\n  dflash_config.conv_kernel_size=9"), err
