@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     cfg = load_run_config(args.config, args.overrides)
     check_run_paths(cfg)
-    batch_size = args.batch_size or cfg.train.micro_batch_size
+    batch_size = cfg.train.micro_batch_size if args.batch_size is None else args.batch_size
     if batch_size < 1 or args.shard_mb < 1:
         raise ValueError(f"--batch-size ({batch_size}) and --shard-mb ({args.shard_mb}) must be >= 1")
     run_offline_capture(cfg, args.out, batch_size=batch_size, shard_bytes=args.shard_mb << 20)

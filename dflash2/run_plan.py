@@ -111,6 +111,12 @@ def resolve_run(cfg: RunConfig, data_parallel_size: int = 1, *, check_data: bool
     spec = DraftSpec.from_config(draft_config)
     identity = RunIdentity.of(cfg.model.target, cfg.data.train)
     resume_from = resume_point(cfg.train.resume, Path(cfg.output_dir))
+    objective = ObjectiveConfig.for_spec(spec, **cfg.objective.model_dump())
+    if spec.selector is None and objective.top_k > draft_config.vocab_size:
+        raise ValueError(
+            f"objective.coverage_top_k={objective.top_k} is above the target's vocabulary "
+            f"({draft_config.vocab_size}); set objective.coverage_top_k <= {draft_config.vocab_size}"
+        )
     return RunPlan(
         config=cfg,
         data_parallel_size=data_parallel_size,
@@ -121,7 +127,7 @@ def resolve_run(cfg: RunConfig, data_parallel_size: int = 1, *, check_data: bool
         spec=spec,
         identity=identity,
         contract=build_contract(cfg, draft_config.to_dict(), data_parallel_size, identity),
-        objective=ObjectiveConfig.for_spec(spec, **cfg.objective.model_dump()),
+        objective=objective,
         resume_from=resume_from,
         start=read_train_state(resume_from),
     )

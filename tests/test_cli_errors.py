@@ -134,6 +134,13 @@ def test_other_tools(monkeypatch, capsys, tiny_default, tmp_path):
         assert_one_message(code, stderr, fragment, "does not exist")
 
 
+def test_capture_refuses_a_batch_size_of_0(monkeypatch, capsys, tiny_default, tmp_path):
+    arguments = ["--config", str(TINY_CONFIG), "--out", str(tmp_path / "f"), "--batch-size", "0"]
+    arguments.append(f"model.target={tiny_default.target_dir}")
+    assert_one_message(*run_cli(monkeypatch, capsys, "data_prep/capture.py", arguments), "--batch-size (0)")
+    assert not (tmp_path / "f").exists()
+
+
 def test_on_error_fail_gives_the_reported_line_without_a_traceback(
     monkeypatch, capsys, tiny_default, tmp_path
 ):

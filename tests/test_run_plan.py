@@ -107,3 +107,13 @@ def test_a_plan_resumes_from_the_latest_complete_checkpoint(tiny_default, tmp_pa
         resolve_run(tiny_config(tiny_default, "tiny-dflash2.yaml", run_dir, "train.resume=none")).resume_from
         is None
     )
+
+
+def test_a_coverage_top_k_above_the_vocabulary_is_refused_before_a_step(tiny_default, tmp_path):
+    """torch.topk would fail mid-step with 'selected index k out of range' (the tiny vocabulary: 1024)."""
+    assert resolve_run(
+        tiny_config(tiny_default, "tiny-dflash.yaml", tmp_path / "run", "objective.coverage_top_k=1024")
+    )
+    cfg = tiny_config(tiny_default, "tiny-dflash.yaml", tmp_path / "run", "objective.coverage_top_k=1025")
+    with pytest.raises(ValueError, match=r"coverage_top_k=1025 is above the target's vocabulary \(1024\)"):
+        resolve_run(cfg)

@@ -165,9 +165,10 @@ class DFlashAttention(nn.Module):
         q = q.unflatten(-2, (self.num_kv_heads, groups)).permute(0, 3, 4, 1, 2, 5)
         k_blk, v_blk = k_blk.permute(0, 3, 1, 2, 4), v_blk.permute(0, 3, 1, 2, 4)  # [b, nkv, N, B, d]
 
-        # Masks are built per layer: sliding-window layers see a window of the context and (by
-        # default) only earlier slots of their block, full-attention layers see everything before the
-        # anchor and the whole block. They are cheap boolean tensors, rebuilt from the anchors.
+        # Masks are built per layer: sliding-window layers see a window of the context, full-attention
+        # layers everything before the anchor; within the block every slot sees every slot, unless
+        # the layer is causal (self.causal: is_causal true, or unset on a sliding layer; the configs
+        # this project writes set it false). They are cheap boolean tensors, rebuilt from the anchors.
         context_length = context.keys.shape[2]
         if context_key_span(context_length, self.sliding_window) < context_length:
             out = self._windowed(q, context, k_blk, v_blk, anchor_positions)
