@@ -44,7 +44,14 @@ if str(REPO_ROOT) not in sys.path:  # run as a plain script from any directory
 
 from dflash2 import decode  # noqa: E402
 from dflash2.config import torch_dtype  # noqa: E402
-from dflash2.evaluate import encode_prompt, load_models, read_prompts  # noqa: E402
+from dflash2.evaluate import (  # noqa: E402
+    WARM_UP_TOKENS,
+    encode_prompt,
+    load_models,
+    read_prompts,
+    run_settings,
+    warm_up,
+)
 from dflash2.models import TargetHead, build_draft  # noqa: E402
 from dflash2.models.config import default_target_layer_ids, load_config_dict  # noqa: E402
 from dflash2.target.hooks import decoder_layers  # noqa: E402
@@ -74,9 +81,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     add("--json", type=Path, default=None, help="write the report to this JSON file")
     args = parser.parse_args(argv)
-    for name in ("max_new_tokens", "num_prompts", "window_steps"):
+    for name in ("num_prompts", "window_steps"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')}={getattr(args, name)}: must be >= 1")
+    if args.max_new_tokens < 2:  # the first token comes from the prefill: no verify step to time
+        raise ValueError(f"--max-new-tokens={args.max_new_tokens}: must be >= 2 (one verify step at least)")
     return args
 
 
@@ -190,6 +199,9 @@ def decode_all(args, draft, target, head, prompts) -> tuple[list, list, list, fl
         cpu[kind] += time.process_time() - start
 
     new = args.max_new_tokens
+    # as dflash2.evaluate: one-time costs (a GPU's kernel loading, the allocator's first growth) on
+    # untimed decodes, not on the first timed one
+    warm_up([draft], target, head, prompts[0], True, min(new, WARM_UP_TOKENS), 0.0)
     for index, ids in enumerate(prompts):
         runs = [
             ("target", plain, partial(decode.timed_target_generate, target, ids, max_new_tokens=new)),
@@ -260,7 +272,11 @@ def main(argv: list[str] | None = None) -> dict:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     draft, target, head, tokenizer = load(args)
-    prompts = [encode_prompt(m, tokenizer) for m in read_prompts(args.data, args.num_prompts)]
+    # rendered as dflash2.evaluate renders them: with the export's training run's template arguments
+    template_kwargs = run_settings(args.draft, None)[0] if args.draft is not None else None
+    prompts = [
+        encode_prompt(m, tokenizer, template_kwargs) for m in read_prompts(args.data, args.num_prompts)
+    ]
     report = report_of(args, prompts, *decode_all(args, draft, target, head, prompts))
     report["gemm_cpu_ms"] = gemm_layouts(target, (1, draft.block_size))
     report["dtypes"] = {

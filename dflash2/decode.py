@@ -51,7 +51,10 @@ Clock = Callable[[], float]
 @dataclass
 class GenerationResult:
     output_ids: list[int]  # generated tokens (the prompt excluded; a stop token included)
-    acceptance_lengths: list[int]  # tau of every verify step
+    acceptance_lengths: list[int]  # tau of every verify step: the tokens it kept
+    # the proposals each verify step accepted, before a stop token or the length limit cut the step
+    # (its tau is at most this + 1)
+    accepted_proposals: list[int]
     num_target_forwards: int  # prefill + verify forwards
     num_rollback_forwards: int  # extra forwards re-feeding the kept tokens of partly rejected blocks
     clean_block_tokens: int  # tokens committed by steps in which every proposal was accepted
@@ -194,8 +197,8 @@ def _prompt_ids(
     return prompt
 
 
-def _verify_step(draft: DFlashDraftModel, head: TargetHead, ctx: _Context) -> tuple[int, bool, bool]:
-    """Draft a block, verify it, commit. Returns (tokens kept, every proposal accepted, finished)."""
+def _verify_step(draft: DFlashDraftModel, head: TargetHead, ctx: _Context) -> tuple[int, int, bool]:
+    """Draft a block, verify it, commit. Returns (tokens kept, proposals accepted, finished)."""
     with ctx.region("draft_block"):
         proposals, candidates, q = draft_block(
             draft, head, ctx.draft_context, ctx.anchor, ctx.temperature, ctx.generator
@@ -217,7 +220,7 @@ def _verify_step(draft: DFlashDraftModel, head: TargetHead, ctx: _Context) -> tu
         ctx.state.keep(n + 1)
     ctx.anchor = bonus
     kept, finished = _commit(ctx, proposals[:n] + [bonus])
-    return kept, n == len(proposals), finished
+    return kept, n, finished
 
 
 @torch.no_grad()
@@ -254,18 +257,21 @@ def speculative_generate(
     draft.extend_context(ctx.draft_context, features)
     _, finished = _commit(ctx, [ctx.anchor])
     taus: list[int] = []
+    accepted: list[int] = []
     clean_tokens = 0
     while not finished:
         if timer is not None:
             timer.start_step()
-        kept, clean, finished = _verify_step(draft, head, ctx)
+        kept, n, finished = _verify_step(draft, head, ctx)
         taus.append(kept)
-        clean_tokens += kept if clean else 0
+        accepted.append(n)
+        clean_tokens += kept if n == draft.block_size - 1 else 0
     if timer is not None:
         timer.finish()
     return GenerationResult(
         output_ids=ctx.output,
         acceptance_lengths=taus,
+        accepted_proposals=accepted,
         num_target_forwards=1 + len(taus),
         num_rollback_forwards=state.num_rollback_forwards,
         clean_block_tokens=clean_tokens,

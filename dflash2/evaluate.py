@@ -39,8 +39,9 @@ from dflash2.decode import (
 )
 from dflash2.errors import add_debug_flag, exit_process, run_main
 from dflash2.export import TRAINING_RUN_NAME, read_training_run
-from dflash2.hardware import warn_if_slow_bf16
+from dflash2.hardware import check_device, warn_if_slow_bf16
 from dflash2.models import TargetHead, load_draft
+from dflash2.models.config import load_config_dict, validate_draft_config
 from dflash2.models.draft import DFlashDraftModel
 from dflash2.target.load import load_full_target
 from dflash2.target.state import use_decoding_layout
@@ -122,9 +123,12 @@ def summarize(results: list[GenerationResult], block_size: int) -> dict:
     rollbacks = sum(r.num_rollback_forwards for r in results)
     wall = sum(r.wall_s for r in results)
     histogram = {str(k): sum(1 for t in taus if t == k) for k in range(1, block_size + 1)}
-    # Slot k's proposal was accepted in a step iff that step committed more than k tokens.
+    # Slot k's proposal was accepted in a step iff the verifier accepted at least k proposals (a step
+    # cut by a stop token or the length limit keeps fewer tokens than it accepted).
+    accepted = [n for r in results for n in r.accepted_proposals]
     position_rate = {
-        str(k): (sum(1 for t in taus if t > k) / len(taus) if taus else 0.0) for k in range(1, block_size)
+        str(k): (sum(1 for n in accepted if n >= k) / len(accepted) if accepted else 0.0)
+        for k in range(1, block_size)
     }
     return {
         "block_size": block_size,
@@ -413,13 +417,12 @@ def load_target(target_dir: str | Path, device: str = "cpu", dtype=torch.float32
 def load_draft_for(
     target: nn.Module, draft_dir: str | Path, device: str = "cpu", dtype=torch.float32
 ) -> DFlashDraftModel:
-    """The export at `draft_dir`, in `dtype` on `device`, refused when built for another vocabulary."""
+    """The export at `draft_dir`, in `dtype` on `device`, refused when built for another target (its
+    hidden size, vocabulary or depth) or for a family whose head the draft cannot borrow."""
     draft = load_draft(draft_dir, dtype=dtype).to(device)
-    if draft.config.vocab_size != target.config.vocab_size:
-        raise ValueError(
-            f"draft vocab_size {draft.config.vocab_size} != target vocab_size {target.config.vocab_size}: "
-            f"the draft {draft_dir} was built for another target"
-        )
+    problems = validate_draft_config(load_config_dict(draft_dir), target_config=target.config)
+    if problems:  # load_draft refused every problem of the config alone: these are the target's
+        raise ValueError(f"the draft {draft_dir} does not fit the target: " + "; ".join(problems))
     return draft
 
 
@@ -490,9 +493,14 @@ def evaluate_drafts(
     draft, in order; `out_jsons`, `tb_dirs`, `plot_paths`: one path per draft each, or None. The
     drafts' prompts must render alike: their training runs' chat_template_kwargs (or the one given).
     Seeds torch's global RNG with `seed` (sampling at a temperature above 0)."""
-    if num_prompts < 1:
-        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
-    check_inputs(draft_dirs, target_dir, data_jsonl)
+    check_inputs(
+        draft_dirs,
+        target_dir,
+        data_jsonl,
+        num_prompts=num_prompts,
+        max_new_tokens=max_new_tokens,
+        device=device,
+    )
     outputs = {"--out": out_jsons, "--tb-dir": tb_dirs, "--plot": plot_paths}
     settings = drafts_settings(draft_dirs, chat_template_kwargs, outputs)
     torch.manual_seed(seed)
@@ -572,7 +580,7 @@ def write_reports(
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m dflash2.evaluate", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--draft",
         required=True,
@@ -613,8 +621,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def check_inputs(draft_dirs: Sequence[str | Path], target_dir: str | Path, data_jsonl: str | Path) -> None:
-    """Every path evaluation reads, before anything loads (named as the command line's options)."""
+def check_inputs(
+    draft_dirs: Sequence[str | Path],
+    target_dir: str | Path,
+    data_jsonl: str | Path,
+    *,
+    num_prompts: int = 1,
+    max_new_tokens: int = 1,
+    device: str = "cpu",
+) -> None:
+    """Every path evaluation reads and its settings, before anything loads (named as the command
+    line's options)."""
+    if num_prompts < 1:
+        raise ValueError(f"num_prompts must be >= 1, got {num_prompts}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    check_device(device)
     if isinstance(draft_dirs, (str, Path)):
         raise ValueError(f"draft_dirs: give a list of export directories, e.g. [{str(draft_dirs)!r}]")
     for draft in draft_dirs:

@@ -60,3 +60,24 @@ def warn_if_slow_bf16(device: torch.device, *dtypes: torch.dtype, is_main: bool 
     warning = slow_bf16_warning(device, *dtypes)
     if warning and is_main:
         print(f"[dflash2] {warning}", flush=True)
+
+
+def check_device(device: str | torch.device, option: str = "--device") -> torch.device:
+    """`device` as a torch.device this machine has, else a ValueError naming `option` and the fix."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            f"{option} {device!r} is not a device: use cpu, or cuda / cuda:N on a GPU machine"
+        ) from None
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise ValueError(f"{option} {device}: this machine has no usable CUDA device; use --device cpu")
+        if parsed.index is not None and parsed.index >= count:
+            raise ValueError(
+                f"{option} {device}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+            )
+    elif parsed.type != "cpu":
+        raise ValueError(f"{option} {device}: evaluation runs on cpu or cuda")
+    return parsed

@@ -163,8 +163,29 @@ def test_oracle_draft_gets_full_blocks(target, head, monkeypatch):
     assert result.output_ids == reference
     # 1 prefill token + 9 full blocks of 4 = 37; the 10th step keeps the 3 tokens left.
     assert result.acceptance_lengths == [4] * 9 + [3]
+    assert result.accepted_proposals == [3] * 10  # the last step accepted all three; the limit cut it
     assert result.clean_block_tokens == 39
+    summary = ev.summarize([result], draft.block_size)
+    assert summary["position_acceptance_rate"] == {"1": 1.0, "2": 1.0, "3": 1.0}
+    assert summary["acceptance_histogram"] == {"1": 0, "2": 0, "3": 1, "4": 9}
     assert produced == len(PROMPT) + 36  # the draft always saw the features of every committed position
+
+
+def test_a_draft_of_another_target_is_refused_with_what_differs(target, tmp_path):
+    """The vocabularies agree; the depth does not (a draft that would run, reading the wrong layers)."""
+    from dflash2.export import export_draft
+
+    draft = build_random_draft("DFlash2DraftModel")  # reads target layers 0, 2, 3 of 4
+    export_draft(draft, tmp_path / "fits", dtype=torch.float32, target_config=target.config)
+    assert ev.load_draft_for(target, tmp_path / "fits").config.num_target_layers == NUM_LAYERS
+    deeper = tmp_path / "deeper"
+    deeper.mkdir()
+    cfg = json.loads((tmp_path / "fits" / "config.json").read_text())
+    cfg["num_target_layers"] = cfg["dflash_config"]["num_target_layers"] = NUM_LAYERS + 2
+    (deeper / "config.json").write_text(json.dumps(cfg))
+    (deeper / "model.safetensors").write_bytes((tmp_path / "fits" / "model.safetensors").read_bytes())
+    with pytest.raises(ValueError, match=f"does not fit the target: num_target_layers={NUM_LAYERS + 2} but"):
+        ev.load_draft_for(target, deeper)
 
 
 def test_prompt_lookup_proposal_copies_what_followed_the_latest_match():
@@ -805,6 +826,45 @@ def test_decode_benchmark_breaks_a_verify_step_down(tiny_default, tmp_path):
     bf16 = bench.main([*args, "--window-steps", "4", "--precision", "bf16"])
     assert bf16["dtypes"] == {"target": "torch.bfloat16", "draft": "torch.bfloat16"}
     assert bf16["generated_tokens"] == 24
+    with pytest.raises(ValueError, match="--max-new-tokens=1: must be >= 2"):
+        bench.parse_args([*args[:4], "--max-new-tokens", "1"])
+
+
+def test_decode_benchmark_renders_prompts_and_warms_up_as_evaluate_does(tiny_default, tmp_path, monkeypatch):
+    import importlib.util
+
+    from dflash2.export import export_draft
+    from tests.conftest import REPO_ROOT
+
+    spec = importlib.util.spec_from_file_location("eval_decode", REPO_ROOT / "benchmarks" / "eval_decode.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    torch.manual_seed(0)
+    draft = build_draft(REPO_ROOT / "configs" / "draft" / "tiny-dflash2.json")
+    kwargs = {"enable_thinking": False}
+    training_run = {"step": 3, "chat_template_kwargs": kwargs}
+    export = export_draft(draft, tmp_path / "export", dtype=torch.float32, training_run=training_run)
+    rendered, calls = [], []
+    encode = bench.encode_prompt
+    monkeypatch.setattr(
+        bench, "encode_prompt", lambda m, tok, kw=None: rendered.append(kw) or encode(m, tok, kw)
+    )
+    monkeypatch.setattr(bench, "warm_up", lambda *a: calls.append(("warm_up", a[5])))
+    generate = bench.decode.timed_target_generate
+    monkeypatch.setattr(
+        bench.decode, "timed_target_generate", lambda *a, **k: calls.append("timed") or generate(*a, **k)
+    )
+    args = [
+        "--target",
+        str(tiny_default.target_dir),
+        "--data",
+        str(tiny_default.heldout_jsonl),
+        "--draft",
+        str(export),
+    ]
+    bench.main([*args, "--max-new-tokens", "8", "--num-prompts", "2", "--window-steps", "2"])
+    assert rendered == [kwargs, kwargs]  # the export's training run's template arguments
+    assert calls == [("warm_up", 8), "timed", "timed"]  # the warm-up before any timed decode
 
 
 def test_the_demos_evaluate_each_draft_in_the_precision_asked_and_count_equal_outputs(tiny_default, tmp_path):
