@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -70,6 +71,28 @@ def build_optimizer(
         fused=True,
     )
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_multiplier(optim))
+
+
+def continue_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, optim: OptimConfig) -> list[str]:
+    """After a resume restored the optimizer and its schedule: set the next update's LR from this
+    run's schedule (its warmup_steps, schedule, min_lr_ratio and max_steps may differ from the saved
+    run's, whose LR at the step reached the restored groups hold), at the restored base LR. Returns a
+    note for each run config value that a resume does not apply (lr and weight_decay are restored)."""
+    groups = scheduler.optimizer.param_groups
+    for group, base, factor in zip(groups, scheduler.base_lrs, scheduler.lr_lambdas, strict=True):
+        group["lr"] = base * factor(scheduler.last_epoch)
+    scheduler._last_lr = [group["lr"] for group in groups]  # what get_last_lr() reports
+    notes = []
+    if not math.isclose(scheduler.base_lrs[0], optim.lr, rel_tol=1e-6):
+        notes.append(
+            f"train.lr={optim.lr:g} is not applied: a resumed run keeps its checkpoint's {scheduler.base_lrs[0]:g}"
+        )
+    saved_decay = max(group["weight_decay"] for group in groups)
+    if not math.isclose(saved_decay, optim.weight_decay, rel_tol=1e-6):
+        notes.append(
+            f"train.weight_decay={optim.weight_decay:g} is not applied: a resumed run keeps its checkpoint's {saved_decay:g}"
+        )
+    return notes
 
 
 def step_optimizer(

@@ -415,14 +415,15 @@ from dflash2.models.config import load_config_dict
 init_distributed("deepspeed")
 backend = build_backend("deepspeed", "ds_configs/zero3.json", 1, 1)
 engine = backend.setup_draft(build_draft(load_config_dict("configs/draft/tiny-dflash2.json")), OptimConfig(), "bf16")
-print(engine.communication_data_type)
+print(engine.communication_data_type, engine.optimizer.grad_partitions_flat_buffer.dtype)
 """
 
 
-def test_deepspeed_bf16_reduces_gradients_in_fp32(tmp_path):
-    # as FSDP2's reduce_dtype: without communication_data_type, ZeRO-3 reduces bf16 buckets
+def test_deepspeed_bf16_reduces_and_accumulates_gradients_in_fp32(tmp_path):
+    # as FSDP2's reduce_dtype: without communication_data_type, ZeRO-3 reduces bf16 buckets, and
+    # without data_types.grad_accum_dtype it sums the micro-batches of a step in a bf16 buffer
     printed = run_one_process_script(tmp_path, DS_COMM_SCRIPT)
-    assert printed.split()[-1] == "torch.float32", printed
+    assert printed.split()[-2:] == ["torch.float32", "torch.float32"], printed
 
 
 def run_one_process_script(tmp_path: Path, source: str) -> str:

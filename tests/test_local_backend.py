@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 from dflash2.config import load_run_config
 from dflash2.errors import EXIT_USER_ERROR
 from dflash2.plan import load_target_config, plan_run
+from dflash2.schedule import lr_factor
 from tests.run_helpers import REPO, TINY_CONFIG, TRAIN, check_ok, launch_train, metrics, run
 
 SCRIPT = REPO / "tests" / "dist_scripts" / "train_local.py"
@@ -89,6 +90,21 @@ def test_a_local_backend_checkpoint_resumes_exactly(local_run, common, tmp_path)
     assert [m["step"] for m in metrics(tmp_path)] == [1, 2]
     train_local([*common, f"output_dir={tmp_path}", "train.save_every=2"])  # resume=auto: from step 2
     assert_same_run(tmp_path, local_run)
+
+
+def test_a_resume_follows_the_new_schedule_from_its_first_step_and_names_what_it_keeps(common, tmp_path):
+    """lr and weight_decay come back with the optimizer (the run says so when the config changes
+    them); warmup_steps, schedule, min_lr_ratio and max_steps shape the LR from the first resumed step."""
+    train_local(
+        [*common, f"output_dir={tmp_path}", "train.save_every=2", "train.stop_at_step=2", "train.max_steps=4"]
+    )
+    changed = ["train.max_steps=4", "train.lr=3e-2", "train.weight_decay=0.1", "train.warmup_steps=3"]
+    out = train_local([*common, f"output_dir={tmp_path}", *changed]).stdout
+    assert "train.lr=0.03 is not applied: a resumed run keeps its checkpoint's 0.003" in out, out
+    assert "train.weight_decay=0.1 is not applied: a resumed run keeps its checkpoint's 0.01" in out, out
+    logged = {m["step"]: m["lr"] for m in metrics(tmp_path)}
+    new_schedule = [lr_factor(step, warmup_steps=3, total_steps=4, min_lr_ratio=0.1) for step in (2, 3)]
+    assert [logged[3], logged[4]] == pytest.approx([3e-3 * factor for factor in new_schedule], rel=1e-6)
 
 
 def test_a_launched_local_run_stopped_and_resumed_equals_the_python_api_run(local_run, common, tmp_path):

@@ -22,8 +22,9 @@ from torch import nn
 if TYPE_CHECKING:
     from dflash2.config import RunConfig
 
-from dflash2.config import BACKENDS, PRECISIONS, OptimConfig, Precision, torch_dtype
+from dflash2.config import BACKENDS, PRECISIONS, OptimConfig, Precision, RunConfig, torch_dtype
 from dflash2.distributed import state_io
+from dflash2.optim import continue_schedule
 from dflash2.target.head import TargetHead
 
 if TYPE_CHECKING:
@@ -146,6 +147,7 @@ class Backend(ABC):
         self.local_rank = layout.local_rank
         self.device = layout.device
         self.is_main = self.rank == 0
+        self.optim_config: OptimConfig | None = None  # set by setup_draft
         self.micro_batch_size = micro_batch_size
         self.grad_accum_steps = grad_accum_steps
         self.target_group = target_group
@@ -203,6 +205,7 @@ class Backend(ABC):
         cls, cfg: RunConfig, *, group: dist.ProcessGroup | None = None, scope: object | None = None
     ) -> Backend:
         """The run's backend; with `group`, target and draft are both sharded over that group only."""
+        expect_run_config(cfg)
         return cls.build(
             cls.config_file(cfg),
             cfg.train.micro_batch_size,
@@ -327,6 +330,14 @@ class Backend(ABC):
         """Restore what save_state wrote on `num_saved_ranks` ranks, on this number of ranks: each
         rank reads its part of every tensor from the saved ranks' pieces (collective)."""
 
+    def _continue_schedule(self, scheduler: torch.optim.lr_scheduler.LambdaLR) -> None:
+        """The end of load_state: the next update's LR from this run's schedule, and a note for each
+        optimizer setting the resume keeps from the checkpoint (dflash2.optim.continue_schedule)."""
+        assert self.optim_config is not None, "setup_draft sets it"
+        for note in continue_schedule(scheduler, self.optim_config):
+            if self.is_main:
+                print(f"[dflash2] {note}", flush=True)
+
     def _write_rank_state(self, ckpt_dir: Path, state: dict) -> None:
         """save_state's files: this rank's `state` under ckpt_dir, the backend meta (rank 0), a barrier."""
         ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -348,3 +359,11 @@ class Backend(ABC):
             raise RuntimeError(
                 f"step() after {micro_steps} backward calls; expected grad_accum_steps={self.grad_accum_steps}"
             )
+
+
+def expect_run_config(cfg: object) -> None:
+    if not isinstance(cfg, RunConfig):
+        raise ValueError(
+            f"from_run_config takes a RunConfig (plan.config, or dflash2.load_run_config(path)), "
+            f"not {type(cfg).__name__}"
+        )

@@ -213,11 +213,14 @@ class DeepSpeedBackend(Backend):
     # ---- draft --------------------------------------------------------------------------------------
 
     def setup_draft(self, draft: nn.Module, optim: OptimConfig, precision: Precision) -> nn.Module:
+        self.optim_config = optim
         config = copy.deepcopy(self.ds_config)
         set_ds_value(config, "gradient_clipping", optim.max_grad_norm, source="optim.max_grad_norm")
         set_ds_value(config, "bf16.enabled", precision == "bf16", source=f"precision={precision!r}")
-        if precision == "bf16":  # gradients reduced in fp32, as FSDP2's reduce_dtype (else bf16 buckets)
+        if precision == "bf16":  # gradients reduced in fp32, as FSDP2's reduce_dtype (else bf16 buckets),
             config.setdefault("communication_data_type", "fp32")
+            # and summed over the micro-batches of a step in fp32 (else in a bf16 buffer)
+            config.setdefault("data_types", {}).setdefault("grad_accum_dtype", "fp32")
         config["zero_allow_untested_optimizer"] = True  # torch AdamW as the client optimizer
         draft.float()  # fp32 master weights; DeepSpeed keeps a bf16 working copy when bf16 is enabled
         optimizer, scheduler = build_optimizer(draft, optim)
@@ -305,6 +308,7 @@ class DeepSpeedBackend(Backend):
                 self._restore_partition(param, key, saved[key])
         self._release_persistent_parameters()
         engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self._continue_schedule(engine.lr_scheduler)
         for key, value in state["engine"].items():
             setattr(engine, key, value)
         # DeepSpeed finds an accumulation boundary from its micro-step count: counted in this launch's

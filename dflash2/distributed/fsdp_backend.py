@@ -112,6 +112,7 @@ class FSDPBackend(Backend):
     # ---- draft --------------------------------------------------------------------------------------
 
     def setup_draft(self, draft: nn.Module, optim: OptimConfig, precision: Precision) -> nn.Module:
+        self.optim_config = optim
         # fp32 master weights; bf16 only for compute, gradients reduced in fp32
         mp_policy = None
         if precision == "bf16":
@@ -180,6 +181,7 @@ class FSDPBackend(Backend):
                 local.copy_(state["model"][name].view(local.shape))
         self.optimizer.load_state_dict(self._as_dtensors(state["optimizer"]))
         self.scheduler.load_state_dict(state["lr_scheduler"])
+        self._continue_schedule(self.scheduler)
         self._micro_steps = 0
         self.barrier()
 

@@ -15,7 +15,14 @@ import torch.distributed as dist
 from torch import nn
 
 from dflash2.config import OptimConfig, Precision, sharded_backends
-from dflash2.distributed.base import Backend, MemoryItem, ParamCounts, RankLayout, fp32_draft_state
+from dflash2.distributed.base import (
+    Backend,
+    MemoryItem,
+    ParamCounts,
+    RankLayout,
+    expect_run_config,
+    fp32_draft_state,
+)
 from dflash2.optim import build_optimizer, step_optimizer
 from dflash2.target.head import TargetHead
 from dflash2.target.load import load_full_target
@@ -85,6 +92,7 @@ class LocalBackend(Backend):
         cls, cfg: RunConfig, *, group: dist.ProcessGroup | None = None, scope: object | None = None
     ) -> LocalBackend:
         """The run's batch layout for one process (train.global_batch_size decides the accumulation)."""
+        expect_run_config(cfg)
         return super().from_run_config(cfg.with_batch_layout(1), group=group, scope=scope)
 
     # ---- target -------------------------------------------------------------------------------------
@@ -100,6 +108,7 @@ class LocalBackend(Backend):
     def setup_draft(self, draft: nn.Module, optim: OptimConfig, precision: Precision) -> nn.Module:
         """fp32 weights and compute: mixed precision (fp32 master weights, bf16 compute) is what the
         sharding wrappers of fsdp and deepspeed provide."""
+        self.optim_config = optim
         if precision != "fp32":
             raise ValueError(
                 f"backend {self.name!r} trains in fp32 only, got precision={precision!r}: set precision=fp32, "
@@ -158,6 +167,7 @@ class LocalBackend(Backend):
                 tensor.copy_(state["model"][name].view(tensor.shape))
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["lr_scheduler"])
+        self._continue_schedule(self.scheduler)
         self._micro_steps = 0
 
 
