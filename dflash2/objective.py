@@ -245,8 +245,8 @@ def _chunk_ce(hidden, weight, bias, labels, row_weights, multiplier, cap, top_k,
     # The gold logit and the top-k read the logits, so they come before the in-place ops below turn
     # the buffer into exp(u - max) and then the gradient.
     gold = u.gather(1, labels[:, None])[:, 0]
-    top = torch.topk(u, top_k, dim=-1)
-    ids, row_max = top.indices, top.values[:, 0]  # the top-1 value is the row's max: no extra pass
+    values, ids = ranked_top_k(u, top_k)
+    row_max = values[:, 0]  # the top-1 value is the row's max: no extra pass
     exp_u = u.sub_(row_max[:, None]).exp_()  # exp(u - max) in the logits buffer
     total = exp_u.sum(dim=-1)
     lse = row_max + total.log()  # logsumexp, as torch.logsumexp computes it
@@ -305,6 +305,16 @@ def _grad_to_hidden(d, du_dz, multiplier, weight, grad_out) -> None:
         grad_out.copy_(d @ weight)
 
 
+def ranked_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk over the last dim with tied values ranked by token id, lowest first, as argmax
+    ranks them (a v1 draft's greedy proposal): bf16 logits tie often, and topk's order among ties is
+    unspecified. (values [..., k], ids [..., k])."""
+    top = torch.topk(logits, k, dim=-1)
+    ids, by_id = top.indices.sort(dim=-1)
+    values, order = top.values.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
+    return values, ids.gather(-1, order)
+
+
 def unary_ce(hidden, head: TargetHead, labels, row_weights, multiplier, cap, chunk_rows, top_k):
     """Chunked weighted CE on transformed logits. hidden [R, H] -> (loss_sum, top-k ids [R, k])."""
     return _ChunkedUnaryCE.apply(
@@ -324,7 +334,7 @@ def unary_ce_naive(hidden, head: TargetHead, labels, row_weights, multiplier, ca
     """Reference path: full [R, V] logits through autograd (benchmarks and tests only)."""
     u = transform_logits(head.logits(hidden).float(), multiplier, cap)
     loss = (row_weights * F.cross_entropy(u, labels, reduction="none")).sum()
-    return loss, torch.topk(u.detach(), top_k, dim=-1).indices
+    return loss, ranked_top_k(u.detach(), top_k)[1]
 
 
 # ------------------------------------------------------------------ chunked distillation terms
@@ -445,8 +455,8 @@ def _chunk_distill(
     u, du_dz = _transformed_logits(
         hidden, weight, bias, terms.multiplier, terms.cap, grad_out is not None, out=logits
     )
-    top = torch.topk(u, top_k, dim=-1)
-    ids, row_max = top.indices, top.values[:, 0]
+    values, ids = ranked_top_k(u, top_k)
+    row_max = values[:, 0]
     neg_entropy, greedy = _teacher_probs(
         teacher, weight, bias, terms.temperature, neg_p, work, kl_w > 0, terms.target_labels
     )

@@ -402,3 +402,27 @@ def test_supervising_every_token_is_the_slow_reference_over_the_attention_mask(a
         draft, head, batch, ObjectiveConfig.for_draft(draft, num_anchors=6, loss_gamma=4.0)
     )
     assert float(replies.weight_sum) < float(out.weight_sum)
+
+
+@pytest.mark.parametrize("distill", [False, True])
+def test_the_top_1_of_tied_logits_is_the_token_argmax_and_greedy_serving_take(distill):
+    """Tied top logits (bf16 makes them common; here every token has a twin row in the head) rank
+    by token id, lowest first, as `argmax` (a v1 draft's greedy proposal) does, so the logged
+    accuracy and in-sample acceptance count what serving would accept."""
+    import torch.nn.functional as F
+
+    from dflash2.models import TargetHead
+    from dflash2.objective import LossTerms, distill_loss, unary_ce
+
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(32, 16, generator=gen).repeat(2, 1)  # token i and token i + 32 tie
+    head, hidden = TargetHead(weight, weight), torch.randn(400, 16, generator=gen)
+    argmax = F.linear(hidden, weight).argmax(-1)
+    labels, weights = argmax, torch.ones(400)
+    if distill:
+        terms = LossTerms(0.0, 1.0, 0.0, 1.0, 1.0, None)
+        ids = distill_loss(hidden, head, labels, weights, hidden, torch.arange(400), terms, 64, 4).topk_ids
+    else:
+        ids = unary_ce(hidden, head, labels, weights, 1.0, None, 64, 4)[1]
+    assert torch.equal(ids[:, 0], argmax)
+    assert torch.equal(ids[:, 1], argmax + 32)  # its twin, the next-ranked
