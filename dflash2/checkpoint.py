@@ -430,15 +430,11 @@ def _rotate(root: Path, keep_last: int, keep: str) -> None:
 
 
 def find_latest(run_dir: Path) -> Path | None:
-    """The checkpoint the `latest` pointer names; if the pointer is missing or names no complete
-    checkpoint, the newest complete `step_*` dir. `.tmp-*` dirs and dirs without COMPLETE never count."""
-    root = Path(run_dir) / CHECKPOINTS
-    pointer = root / LATEST
-    if pointer.is_file():
-        target = root / pointer.read_text().strip()
-        if target.name.startswith(STEP_PREFIX) and (target / COMPLETE).is_file():
-            return target
-    complete = _complete_step_dirs(root)
+    """The newest complete `step_*` dir: the one the `latest` pointer names, unless a crash came
+    between a checkpoint's rename and the pointer's update (a launch sets aside every checkpoint after
+    its start, so the newest complete one is always this run's). `.tmp-*` dirs and dirs without
+    COMPLETE never count."""
+    complete = _complete_step_dirs(Path(run_dir) / CHECKPOINTS)
     return complete[-1] if complete else None
 
 

@@ -134,6 +134,10 @@ def test_find_latest_ignores_half_written_dirs(tmp_path):
     # a pointer naming an incomplete dir is not followed
     (root / "latest").write_text("step_00000007\n")
     assert find_latest(tmp_path) == good
+    # a crash between a checkpoint's rename and the pointer's update: the newer complete one
+    newer = save(FakeBackend(), tmp_path, 3)
+    (root / "latest").write_text("step_00000002\n")
+    assert find_latest(tmp_path) == newer
 
 
 def test_resave_after_crash_replaces_leftover_tmp(tmp_path):
