@@ -56,6 +56,7 @@ class Setup:
     target: nn.Module | None = None  # None: features from disk or from capture ranks
     features: FeatureSource | None = None  # OfflineFeatures or the capture ranks' FeatureReceiver
     fitted: bool = False  # `fit` ran on it: its draft, optimizer and schedule are past the resume point
+    stepped: bool = False  # `train_step` ran on it (by `fit` or by hand): the same
 
     @property
     def cfg(self) -> RunConfig:
@@ -116,12 +117,20 @@ def offline_features(plan: RunPlan) -> OfflineFeatures | None:
     return OfflineFeatures(cfg.data.features_dir, identity, last_hidden=cfg.objective.needs_teacher)
 
 
+def expect_type(value: object, expected: type, name: str, how: str) -> None:
+    """A Python API argument of the wrong type, as one message naming where the right one comes from."""
+    if not isinstance(value, expected):
+        raise ValueError(f"{name} must be a {expected.__name__} ({how}), not {type(value).__name__}")
+
+
 def build_setup(plan: RunPlan, backend: Backend, features: FeatureSource | None = None) -> Setup:
     """`features`: where the step gets features, when not from the config (the disaggregated
     trainers pass the capture ranks' receiver); None: as the config says, the offline features of
     data.features_dir when it is set, else the step runs the target itself (online capture).
     `backend` is built for the plan's batch layout (`LocalBackend.from_run_config(plan.config)`).
     Seeds torch's global RNG with the run's seed (the draft's initialisation), as a launch does."""
+    expect_type(plan, RunPlan, "plan", "dflash2.resolve_run(cfg)")
+    expect_type(backend, Backend, "backend", "LocalBackend.from_run_config(plan.config)")
     cfg = plan.config
     check_batch_layout(backend, cfg)
     if features is None:
@@ -224,10 +233,12 @@ def train_step(setup: Setup, step: StepBatch, timer: StepTimer) -> tuple[dict, d
     ranks, timings). The loss is normalised by the global weight sum of the whole step. `timer` has
     started the step (`timer.start_step()`); its regions are free unless timed (dflash2.timing).
     `step` is one item of `dflash2.data.loader.step_batches`, as `fit` draws them."""
+    expect_type(setup, Setup, "setup", "dflash2.build_setup(plan, backend)")
     if not timer.started:  # checked before anything moves: the end of the step reads the timer
         raise ValueError(
             "start the timer's step first: timer.start_step(), then train_step(setup, step, timer)"
         )
+    setup.stepped = True
     backend, seed = setup.backend, setup.cfg.seed
     batches = [load_batch(setup, idx) for idx in step.micro]
     plans = [
@@ -326,11 +337,13 @@ def fit(
     Returns the last step's metrics (`loss`, `insample_accept_len`, ...), or `{}` when the run had
     no step left to take (it had reached train.max_steps). A Setup is fitted once: to go on, build
     another from `resolve_run` (train.resume=auto continues from the checkpoint this one wrote)."""
-    if setup.fitted:
+    expect_type(setup, Setup, "setup", "dflash2.build_setup(plan, backend)")
+    if setup.fitted or setup.stepped:
+        done = "was fitted already" if setup.fitted else "took steps with train_step"
         raise ValueError(
-            "this Setup was fitted already: its draft, optimizer and schedule are past its resume point. "
-            "Call dflash2.resolve_run and dflash2.build_setup again (train.resume=auto continues from "
-            "the latest checkpoint)"
+            f"this Setup {done}: its draft, optimizer and schedule are past its resume point, and fit "
+            "counts its steps from there. Call dflash2.resolve_run and dflash2.build_setup again "
+            "(train.resume=auto continues from the latest checkpoint)"
         )
     setup.fitted = True
     with subnormals_flushed(setup.backend.device):
@@ -447,6 +460,7 @@ def report_end(
         backend.barrier()
     if backend.is_main:
         print(end_message(step, max_steps, saved), flush=True)
+    stop_request.signal_name = None  # served: a later fit in this process does not stop on it
 
 
 def end_message(step: int, max_steps: int, checkpoint: Path | None) -> str:

@@ -50,8 +50,9 @@ def test_a_stopped_fit_leaves_no_stop_behind_and_a_setup_is_fitted_once(override
     torch.set_flush_denormal(True)  # the caller's own setting, which fit must give back
     try:
         stopped = setup_of(overrides, tmp_path / "stopped")
-        dflash2.fit(stopped, stop_vote=lambda: True)
-        assert stop_request.stopped
+        stop_request.signal_name = "SIGINT"  # as its handler records a Ctrl-C (launch/train.py)
+        dflash2.fit(stopped)
+        assert stop_request.stopped and stop_request.signal_name is None  # served, not left pending
         assert flushing_subnormals()
         clean = setup_of(overrides, tmp_path / "clean")
         summary = dflash2.fit(clean)
@@ -64,6 +65,20 @@ def test_a_stopped_fit_leaves_no_stop_behind_and_a_setup_is_fitted_once(override
         dflash2.fit(clean)
     again = setup_of(overrides, tmp_path / "clean")  # resume=auto: nothing left to train
     assert dflash2.fit(again) == {}
+
+
+def test_fit_refuses_a_setup_that_train_step_advanced(overrides, tmp_path):
+    """fit would count its steps from the resume point: the checkpoint of its step 2 would hold the
+    optimizer of step 4, and the schedule would start over."""
+    setup = setup_of(overrides, tmp_path / "run")
+    timer = StepTimer(setup.backend.device)
+    timer.start_step()
+    dflash2.train_step(setup, next(step_batches(len(setup.dataset), 2, 1, setup.cfg.seed, 0, 1)), timer)
+    with pytest.raises(
+        ValueError, match="took steps with train_step.*resolve_run and dflash2.build_setup again"
+    ):
+        dflash2.fit(setup)
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_train_step_refuses_an_unstarted_timer_before_any_update(overrides, tmp_path):
@@ -91,6 +106,18 @@ def test_wrong_arguments_and_paths_are_named_before_anything_loads(overrides, ti
         dflash2.load_run_config(TINY_CONFIG, "train.max_steps=4")
     with pytest.raises(ValueError, match="takes a RunConfig.*load_run_config"):
         dflash2.resolve_run(str(TINY_CONFIG))
+    cfg = dflash2.load_run_config(TINY_CONFIG, [*overrides, f"output_dir={tmp_path}"])
+    with pytest.raises(ValueError, match="from_run_config takes a RunConfig"):
+        dflash2.LocalBackend.from_run_config(str(TINY_CONFIG))
+    backend = dflash2.LocalBackend.from_run_config(cfg)
+    with pytest.raises(
+        ValueError, match=r"plan must be a RunPlan \(dflash2.resolve_run\(cfg\)\), not RunConfig"
+    ):
+        dflash2.build_setup(cfg, backend)
+    with pytest.raises(
+        ValueError, match=r"setup must be a Setup \(dflash2.build_setup\(plan, backend\)\), not RunPlan"
+    ):
+        dflash2.fit(dflash2.resolve_run(cfg))
     missing = tmp_path / "nope.jsonl"
     cfg = dflash2.load_run_config(
         TINY_CONFIG, [*overrides, f"output_dir={tmp_path}", f"data.train={missing}"]
