@@ -21,6 +21,9 @@ from dflash2.config import require_path
 from dflash2.data.regenerate import LocalTargetGenerator, ServerGenerator, regenerate_file
 from dflash2.errors import add_debug_flag, exit_process, run_main
 
+# --dtype: the run configs' names (precision) and torch's, for the torch dtype of each
+DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
+
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
@@ -45,7 +48,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--device", default=None, help="local target device (default: cuda if available, else cpu)"
     )
-    parser.add_argument("--dtype", default="auto", help="local target dtype: auto, bfloat16 or float32")
+    parser.add_argument(
+        "--dtype",
+        default="auto",
+        choices=("auto", *DTYPES),
+        help="local target dtype (bf16 and bfloat16, fp32 and float32 are the same; auto: the checkpoint's)",
+    )
     parser.add_argument("--on-error", choices=("skip", "fail"), default="skip", help="malformed input lines")
     parser.add_argument(
         "--capture-config", help="run config YAML whose features to keep while regenerating (local target)"
@@ -90,7 +98,7 @@ def _local_generator(args: argparse.Namespace) -> LocalTargetGenerator:
     import torch
     from transformers import AutoTokenizer
 
-    model = _local_target(args, args.dtype if args.dtype == "auto" else getattr(torch, args.dtype))
+    model = _local_target(args, args.dtype if args.dtype == "auto" else getattr(torch, DTYPES[args.dtype]))
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     return LocalTargetGenerator(model, tokenizer, args.max_new_tokens, args.chat_template_kwargs)
 
@@ -109,7 +117,7 @@ def _regenerate_and_capture(args: argparse.Namespace) -> dict:
             "must be the target's the run trains with: pass the same directory (or override model.target=...)"
         )
     dtype = cfg.target_torch_dtype
-    if args.dtype != "auto" and args.dtype != str(dtype).removeprefix("torch."):
+    if args.dtype != "auto" and DTYPES[args.dtype] != str(dtype).removeprefix("torch."):
         raise ValueError(
             f"--dtype {args.dtype} is not the run's target dtype ({dtype}, from precision / model.target_dtype); "
             "leave --dtype out with --capture-config"

@@ -128,7 +128,8 @@ def test_regeneration_writes_the_features_that_offline_capture_would(conversatio
         torch.testing.assert_close(kept.sample(index), captured.sample(index), atol=1e-4, rtol=1e-4)
 
 
-def test_capture_config_that_disagrees_with_the_regeneration_is_one_message(conversations, tmp_path):
+@pytest.mark.parametrize("dtype", ["bfloat16", "bf16"])  # torch's name and the run configs'
+def test_capture_config_that_disagrees_with_the_regeneration_is_one_message(conversations, tmp_path, dtype):
     command = [sys.executable, str(REPO / "data_prep" / "regenerate.py"), "--input", str(conversations)]
     command += [
         "--out",
@@ -136,11 +137,11 @@ def test_capture_config_that_disagrees_with_the_regeneration_is_one_message(conv
         "--target",
         "artifacts/tiny/target",
         "--dtype",
-        "bfloat16",
+        dtype,
     ]
     command += ["--capture-config", str(TINY_CONFIG), "--features-out", str(tmp_path / "f")]
     result = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode != 0
     assert result.stderr.count("error:") == 1 and "Traceback" not in result.stderr, result.stderr
-    assert "--dtype bfloat16 is not the run's target dtype" in result.stderr
+    assert f"--dtype {dtype} is not the run's target dtype" in result.stderr
     assert not (tmp_path / "r.jsonl").exists()
