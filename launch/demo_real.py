@@ -21,6 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import yaml
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "launch"))
@@ -115,6 +117,24 @@ def capture_arguments(args: argparse.Namespace, out: Path, draft_config: Path, t
     ]
 
 
+# run config keys the demo sets for both drafts, and how to change each (a --train override of one
+# would win over the demo's own, and the summary would describe a run that did not happen)
+DEMO_SETS = {
+    "output_dir": "use --out",
+    "data.train": "it trains on the replies it regenerates",
+    "data.features_dir": "it trains on the features it keeps while regenerating",
+    "data.max_length": "use --max-length",
+    "model.target": "use --target",
+    "model.draft_config": "use --draft-layers, --block-size and --target-layer-ids",
+    "model.target_dtype": "use --precision",
+    "precision": "use --precision",
+    "backend": "it follows --precision",
+    "train.max_steps": "use --steps",
+    "train.resume": "it trains each draft from step 0",
+    "train.save_every": "it saves no checkpoint",
+}
+
+
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -171,7 +191,14 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="KEY=VALUE",
         help="a run-config override for both drafts (e.g. objective.num_anchors=64); repeatable",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for item in args.train:
+        key = item.split("=", 1)[0]
+        if "=" not in item:
+            parser.error(f"--train {item!r}: give KEY=VALUE, e.g. objective.num_anchors=64")
+        if key in DEMO_SETS:
+            parser.error(f"--train {item}: the demo sets {key} itself; {DEMO_SETS[key]}")
+    return args
 
 
 class Stages:
@@ -247,22 +274,63 @@ def train_drafts(
         return demo.train(name, CONFIGS[name], regen, out / name, args.steps, overrides, 1)
 
     if args.reuse_drafts:
-        exports = {name: out / name / "export" for name in CONFIGS}
-        missing = [str(path) for path in exports.values() if not (path / "config.json").is_file()]
-        if missing:
-            raise SystemExit(f"--reuse-drafts: no trained draft at {', '.join(missing)}; run without it")
-        steps = {name: read_training_run(path).get("step") for name, path in exports.items()}
-        if any(step != args.steps for step in steps.values()):
-            raise SystemExit(
-                f"--reuse-drafts: the drafts there trained {steps} steps, not --steps {args.steps}; pass "
-                "their --steps (and the rest of their recipe) or run without --reuse-drafts"
-            )
-        return exports
+        return reused_drafts(args, out, draft_configs)
 
     # One process each, at the same time: on two cores each draft trains on its own core.
     title = f"train DFlash (v1) and DFlash 2 from the features, {args.steps} steps each, side by side"
     with stages.next(title, "train"), ThreadPoolExecutor(max_workers=2) as pool:
         return dict(zip(CONFIGS, pool.map(train, CONFIGS)))
+
+
+# the draft config fields the demo's flags decide (--draft-layers, --block-size, --target-layer-ids)
+RECIPE_FIELDS = (
+    "architectures",
+    "num_hidden_layers",
+    "dflash_config.block_size",
+    "dflash_config.target_layer_ids",
+)
+
+
+def _field(tree: dict, dotted: str):
+    for key in dotted.split("."):
+        tree = tree.get(key) if isinstance(tree, dict) else None
+    return tree
+
+
+def reused_drafts(args: argparse.Namespace, out: Path, draft_configs: dict[str, Path]) -> dict[str, Path]:
+    """--reuse-drafts: the exports under --out, refused unless they were trained with this command's
+    recipe (--steps, the draft configs its flags make, --precision and every --train override), so
+    that the summary's recipe is theirs."""
+    exports = {name: out / name / "export" for name in CONFIGS}
+    missing = [str(path) for path in exports.values() if not (path / "config.json").is_file()]
+    if missing:
+        raise SystemExit(f"--reuse-drafts: no trained draft at {', '.join(missing)}; run without it")
+    problems = []
+    for name, export in exports.items():
+        step = read_training_run(export).get("step")
+        if step != args.steps:
+            problems.append(f"{name} trained {step} steps, not --steps {args.steps}")
+        trained, asked = (
+            json.loads((export / "config.json").read_text()),
+            json.loads(draft_configs[name].read_text()),
+        )
+        problems += [
+            f"{name}'s {field} is {_field(trained, field)}, these flags make {_field(asked, field)}"
+            for field in RECIPE_FIELDS
+            if _field(trained, field) != _field(asked, field)
+        ]
+        run_config = yaml.safe_load((out / name / "config.yaml").read_text())
+        for key, value in [("precision", args.precision), *(item.split("=", 1) for item in args.train)]:
+            wanted = yaml.safe_load(value) if isinstance(value, str) else value
+            if _field(run_config, key) != wanted:
+                problems.append(f"{name} trained with {key}={_field(run_config, key)!r}, not {wanted!r}")
+    if problems:
+        raise SystemExit(
+            "--reuse-drafts: the drafts there were trained with another recipe: "
+            + "; ".join(problems)
+            + ". Pass their flags, or run without --reuse-drafts"
+        )
+    return exports
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash2.hardware import cpu_flags, cpu_has_native_bf16, default_cpu_precision, slow_bf16_warning
+from dflash2.hardware import (
+    check_device,
+    cpu_flags,
+    cpu_has_native_bf16,
+    default_cpu_precision,
+    slow_bf16_warning,
+)
 from tests.run_helpers import load_script
 
 CPU = torch.device("cpu")
@@ -104,3 +110,60 @@ def test_the_real_demos_budget_follows_its_precision(argv, replies, steps, line)
     args = demo_real._parse_args(argv)
     assert demo_real.apply_budget(args) == line
     assert (args.regen_samples, args.steps) == (replies, steps)
+
+
+def test_a_device_the_machine_lacks_is_one_message_naming_the_fix(monkeypatch):
+    assert check_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="--device 'cdua' is not a device: use cpu, or cuda"):
+        check_device("cdua")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(
+        ValueError, match="--device cuda: this machine has no usable CUDA device; use --device cpu"
+    ):
+        check_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert check_device("cuda:1") == torch.device("cuda:1")
+    with pytest.raises(ValueError, match="has 2 CUDA device"):
+        check_device("cuda:2")
+
+
+def test_the_real_demo_refuses_train_overrides_of_what_it_sets(capsys):
+    demo_real = load_script("launch/demo_real.py")
+    assert demo_real._parse_args(["--train", "objective.num_anchors=32"]).train == [
+        "objective.num_anchors=32"
+    ]
+    for item, fix in (("train.max_steps=100", "use --steps"), ("data.max_length=512", "use --max-length")):
+        with pytest.raises(SystemExit):
+            demo_real._parse_args(["--train", item])
+        assert f"--train {item}: the demo sets {item.split('=')[0]} itself; {fix}" in capsys.readouterr().err
+
+
+def test_the_real_demo_reuses_only_drafts_of_the_recipe_asked(tmp_path):
+    """--reuse-drafts: the summary records the command's recipe, so the drafts must have it."""
+    import argparse
+
+    demo_real = load_script("launch/demo_real.py")
+    draft = {
+        "architectures": ["X"],
+        "num_hidden_layers": 2,
+        "dflash_config": {"block_size": 4, "target_layer_ids": [1]},
+    }
+    configs = {}
+    for name in demo_real.CONFIGS:
+        (tmp_path / name / "export").mkdir(parents=True)
+        (tmp_path / name / "export" / "config.json").write_text(json.dumps(draft))
+        (tmp_path / name / "export" / "training_run.json").write_text(json.dumps({"step": 10}))
+        (tmp_path / name / "config.yaml").write_text("precision: bf16\nobjective:\n  num_anchors: 64\n")
+        configs[name] = tmp_path / f"{name}.json"
+        configs[name].write_text(json.dumps(draft))
+    args = argparse.Namespace(steps=10, precision="bf16", train=["objective.num_anchors=64"])
+    assert demo_real.reused_drafts(args, tmp_path, configs) == {
+        n: tmp_path / n / "export" for n in demo_real.CONFIGS
+    }
+    configs["dflash2"].write_text(json.dumps({**draft, "num_hidden_layers": 3}))
+    args.train = ["objective.num_anchors=32"]
+    with pytest.raises(SystemExit) as refused:
+        demo_real.reused_drafts(args, tmp_path, configs)
+    assert "dflash2's num_hidden_layers is 2, these flags make 3" in str(refused.value)
+    assert "dflash trained with objective.num_anchors=64, not 32" in str(refused.value)
