@@ -4,7 +4,9 @@ Same weights (random, non-identity: convs, codebooks and transforms all active) 
 the reference runs its own single-block inference forward with SDPA, ours the block attention.
 Tolerance: fp32, atol 2e-5 on hidden states (different but exact attention algorithms).
 
-Covered: one block against a context shorter and longer than the sliding window; many blocks of the
+Covered: one block against a context shorter and longer than the sliding window, and at the edge
+shapes a valid config allows (block 2, one context token, selector rank 1, top-k 256 of 257, a
+kernel as long as the block, a window shorter than the block); many blocks of the
 training form, each against the reference's forward over its own prefix, with windows shorter than
 the context; decoding with the draft's context cache against the reference's cached decoding loop;
 the bf16 attention error against the reference's own bf16 error.
@@ -42,6 +44,37 @@ def test_block_forward_and_greedy_proposal_match_reference(architecture, context
     if architecture == "DFlashDraftModel":
         for key in transforms:
             ours.config.dflash_config.pop(key, None)
+    assert_block_matches_reference(ours, context_length)
+
+
+# shapes at the edges of what a valid config allows: the shortest block (with the longest kernel it
+# allows), a single context token, rank 1, a top-k of the whole vocabulary but one, a kernel as long
+# as the block, a window shorter than the block
+EDGE_SHAPES = [
+    ("DFlashDraftModel", 1, {}),
+    ("DFlash2DraftModel", 1, {}),
+    ("DFlashDraftModel", 1, {"block_size": 2}),
+    ("DFlash2DraftModel", 1, {"block_size": 2, "conv_kernel_size": 2}),
+    ("DFlash2DraftModel", 5, {"selector_rank": 1}),
+    ("DFlash2DraftModel", 5, {"selector_top_k": 256}),
+    ("DFlash2DraftModel", 5, {"block_size": 4, "conv_kernel_size": 4}),
+    (
+        "DFlash2DraftModel",
+        9,
+        {"block_size": 8, "conv_kernel_size": 3, "config_overrides": {"sliding_window": 3}},
+    ),
+]
+
+
+@pytest.mark.parametrize("architecture, context_length, shape", EDGE_SHAPES)
+def test_edge_shapes_match_reference(architecture, context_length, shape):
+    assert_block_matches_reference(random_draft(architecture, seed=3, **shape), context_length)
+
+
+def assert_block_matches_reference(ours, context_length: int) -> None:
+    """One block after `context_length` context tokens: hidden states and the greedy proposal of
+    `ours` against the reference model holding the same weights."""
+    architecture = type(ours).__name__
     ref = reference_twin(ours)
     head = random_head()
     lm_head = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
