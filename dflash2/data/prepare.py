@@ -135,7 +135,7 @@ def prepare_dataset(
         except SampleError as error:
             if on_error == "fail":
                 raise ValueError(
-                    f"{jsonl_path}:{line_number}: {error} (use on_error='skip' to drop such lines)"
+                    f"{jsonl_path}:{line_number}: {error} (data.on_error=skip in a run config, --on-error skip for data_prep/prepare.py, drops such lines)"
                 ) from None
             tally.drop(error, line_number)
             continue
