@@ -118,8 +118,11 @@ RUN_CONTRACT_KEYS = {
     "supervised_tokens": "objective.supervised_tokens",
     "labels": "objective.labels",
     "loss_vocab_size": "objective.loss_vocab_size",
-    # the rendering of the same data (e.g. the thinking mode)
+    # the rendering of the same data (e.g. the thinking mode), and which of its conversations are
+    # kept (a sample's index picks its place in the data order and its anchors)
     "chat_template_kwargs": "data.chat_template_kwargs",
+    "max_length": "data.max_length",
+    "duplicates": "data.duplicates",
     "global_batch_size": "train.global_batch_size",
     "seed": "seed",
 }
@@ -140,7 +143,7 @@ CONTRACT_FIELDS_ADDED = {
 }
 # Fields whose config key existed before it joined the contract: what a checkpoint without one was
 # trained with is not recorded (any value was possible), so an absent field is not compared.
-CONTRACT_FIELDS_UNRECORDED = ("supervised_tokens", "labels", "loss_vocab_size")
+CONTRACT_FIELDS_UNRECORDED = ("supervised_tokens", "labels", "loss_vocab_size", "max_length", "duplicates")
 
 
 def run_contract(cfg: RunConfig, identity: RunIdentity, global_batch_size: int) -> dict[str, Any]:

@@ -529,6 +529,7 @@ def test_a_contract_from_before_a_field_joined_it_reads_as_its_default():
         assert section == "objective"
         assert getattr(ObjectiveSection(), key) == before, field  # the default today is what older code did
     unrecorded = {"supervised_tokens": "all", "labels": "target", "loss_vocab_size": 4096}
+    unrecorded |= {"max_length": 512, "duplicates": "drop"}
     assert set(unrecorded) == set(CONTRACT_FIELDS_UNRECORDED) <= set(RUN_CONTRACT_KEYS)
     new = {**CONTRACT, **CONTRACT_FIELDS_ADDED, **unrecorded}
     old = CONTRACT
@@ -542,3 +543,8 @@ def test_a_contract_from_before_a_field_joined_it_reads_as_its_default():
     # once recorded, they are compared like any other field
     with pytest.raises(ValueError, match="labels: saved 'target', new 'data'"):
         validate_contract(new, {**new, "labels": "data"})
+    # which conversations a run keeps: another max_length or duplicates setting shifts every sample's
+    # index, and with it the data order and the anchors of the steps a resume takes
+    with pytest.raises(ValueError) as err:
+        validate_contract(new, {**new, "max_length": 256, "duplicates": "keep"})
+    assert "To resume, add these overrides: data.duplicates=drop data.max_length=512" in str(err.value)

@@ -24,7 +24,8 @@ COMMON = {
     "seed": 0, "selector_loss_alpha": 1.0, "selector_mode": "insert", "sliding_window": 2048,
     "target_layer_ids": [1, 3, 4], "tv_weight": 0.0, "final_logit_softcapping": None,
     # joined the contract later (checkpoint.CONTRACT_FIELDS_UNRECORDED), at the values these runs train with
-    "labels": "data", "loss_vocab_size": None, "supervised_tokens": "replies",
+    "labels": "data", "loss_vocab_size": None, "supervised_tokens": "replies", "max_length": 256,
+    "duplicates": "keep",
     # joined later with its key (checkpoint.CONTRACT_FIELDS_ADDED), at the value older runs behaved as
     "selector_grad": "backbone",
 }  # fmt: skip
