@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -156,6 +157,12 @@ MALFORMED = [
         "turn 1 (user) has empty content",
     ),
     ({"conversations": [USER]}, "no_assistant_turn", "no assistant turn"),
+    (  # JSON's \u escapes can spell half of a UTF-16 pair, which no tokenizer takes
+        {"conversations": [{"role": "user", "content": "a\ud800b"}, REPLY]},
+        "invalid_utf8",
+        "turn 1 (user) content holds an unpaired surrogate \\ud800 at character 1",
+    ),
+    ({"id": "x\udc00", "conversations": [USER, REPLY]}, "invalid_utf8", "'id' holds an unpaired surrogate"),
     ({"id": "ok", "conversations": [USER, REPLY]}, "duplicate_id", "duplicate id 'ok' (first on line 1)"),
 ]
 
@@ -180,7 +187,7 @@ def test_skip_reports_every_malformed_line_and_keeps_all_valid(tiny_tokenizer, t
     assert dataset["id"] == ["ok"] + [f"valid-{i}" for i in range(1, len(MALFORMED))]
     assert summary["num_lines"] == len(lines) and summary["num_kept"] == len(MALFORMED)
     assert summary["num_dropped"] == len(MALFORMED)
-    assert summary["dropped_by_reason"] == {code: 1 for _, code, _ in MALFORMED}
+    assert summary["dropped_by_reason"] == dict(Counter(code for _, code, _ in MALFORMED))
     reported = {error["line"]: (error["code"], error["reason"]) for error in summary["errors"]}
     assert reported.keys() == expected_errors.keys()
     for line_number, (code, reason) in expected_errors.items():
@@ -437,7 +444,7 @@ def test_mismatched_token_ids_are_logged_a_few_lines_then_counted(tiny_tokenizer
         for n in range(1, MAX_LOGGED_MISMATCHES + 1)
     ]
     assert lines[-1].startswith(
-        f"{tmp_path / 'ids.jsonl'}: 3 more replies do not re-tokenise to their token_ids"
+        f"{tmp_path / 'ids.jsonl'}: 3 more samples do not re-tokenise to their token_ids"
     )
     assert summary["num_token_ids_mismatch"] == MAX_LOGGED_MISMATCHES + 3
     assert summary["token_ids_mismatch_lines"] == list(range(1, MAX_LOGGED_MISMATCHES + 4))
@@ -469,10 +476,11 @@ def test_token_ids_of_every_reply_of_a_multi_turn_conversation_are_used(tiny_tok
 
 
 BAD_TOKEN_IDS = [
-    ({**REPLY, "token_ids": "1 2 3"}, "'token_ids' must be a list of non-negative integer token ids"),
-    ({**REPLY, "token_ids": [5, -1]}, "'token_ids' must be a list of non-negative integer token ids"),
-    ({**REPLY, "token_ids": [5, 1.5]}, "'token_ids' must be a list of non-negative integer token ids"),
-    ({**REPLY, "token_ids": [True]}, "'token_ids' must be a list of non-negative integer token ids"),
+    ({**REPLY, "token_ids": "1 2 3"}, "'token_ids' must be a list of integer token ids in [0, 2^31)"),
+    ({**REPLY, "token_ids": [5, -1]}, "'token_ids' must be a list of integer token ids in [0, 2^31)"),
+    ({**REPLY, "token_ids": [5, 1.5]}, "'token_ids' must be a list of integer token ids in [0, 2^31)"),
+    ({**REPLY, "token_ids": [True]}, "'token_ids' must be a list of integer token ids in [0, 2^31)"),
+    ({**REPLY, "token_ids": [5, 2**31]}, "'token_ids' must be a list of integer token ids in [0, 2^31)"),
     ({**REPLY, "token_ids": []}, "'token_ids' is empty"),
 ]
 
@@ -484,6 +492,19 @@ def test_malformed_token_ids_are_a_clear_per_line_error(tiny_tokenizer, tmp_path
         prepare_dataset(path, tiny_tokenizer, max_length=256, on_error="fail")
     dataset, summary = prepare_dataset(path, tiny_tokenizer, max_length=256, on_error="skip", quiet=True)
     assert dataset["id"] == ["ok"] and summary["dropped_by_reason"] == {"bad_token_ids": 1}
+
+
+def test_a_dropped_line_is_no_first_occurrence_and_its_token_ids_are_not_counted(tiny_tokenizer, tmp_path):
+    """What the summary counts of duplicates and of token ids is of the samples kept."""
+    too_long = {"conversations": [{"role": "user", "content": "word " * 300}, REPLY]}
+    ids = tiny_tokenizer(REPLY["content"], add_special_tokens=False)["input_ids"]
+    with_ids = {"conversations": [{"role": "user", "content": "word " * 300}, {**REPLY, "token_ids": ids}]}
+    path = _write_jsonl(tmp_path / "data.jsonl", [VALID, too_long, too_long, with_ids])
+    dataset, summary = prepare_dataset(path, tiny_tokenizer, max_length=64, quiet=True)
+    assert dataset["id"] == ["ok"]
+    assert summary["dropped_by_reason"] == {"prompt_too_long": 3}
+    assert summary["num_duplicates"] == 0  # before: line 3 a duplicate (kept) of line 2, then dropped
+    assert summary["num_with_token_ids"] == 0  # before: 1, of a dropped line
 
 
 def test_token_ids_on_a_user_turn_are_an_error(tiny_tokenizer, tmp_path):

@@ -66,6 +66,9 @@ def iter_lines(path: str | Path) -> Iterator[tuple[int, str | UndecodableLine]]:
             offset += len(raw)
 
 
+MAX_TOKEN_ID = 2**31  # exclusive: a dataset stores token ids as int32
+
+
 def parse_sample(line: str | UndecodableLine, line_number: int, require_reply: bool = False) -> Sample:
     """Parse and validate one training_jsonl line; raises SampleError. `require_reply`: a record
     without an assistant turn (a prompt) is an error (training)."""
@@ -92,6 +95,8 @@ def parse_sample(line: str | UndecodableLine, line_number: int, require_reply: b
     sample_id = record.get("id", f"line-{line_number}")
     if not isinstance(sample_id, (str, int)) or isinstance(sample_id, bool):
         raise SampleError("bad_id", f"'id' must be a string or an integer, got {type(sample_id).__name__}")
+    if isinstance(sample_id, str):
+        _check_unicode(sample_id, "'id'")
     messages = [_kept_fields(turn) for turn in messages]
     return Sample(line_number=line_number, id=str(sample_id), messages=messages)
 
@@ -150,6 +155,7 @@ def _check_turn(turn: object, turn_number: int) -> None:
         )
     if not content.strip():
         raise SampleError("empty_content", f"{where} ({turn['role']}) has empty content")
+    _check_unicode(content, f"{where} ({turn['role']}) content")
     if "token_ids" in turn:
         _check_token_ids(turn, where)
     if "finish_reason" in turn and (
@@ -162,6 +168,18 @@ def _check_turn(turn: object, turn_number: int) -> None:
         )
 
 
+def _check_unicode(text: str, what: str) -> None:
+    """JSON's \\u escapes can spell a lone UTF-16 surrogate, which no tokenizer or file takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        bad = f"\\u{ord(text[error.start]):04x}"
+        raise SampleError(
+            "invalid_utf8",
+            f"{what} holds an unpaired surrogate {bad} at character {error.start}; fix the text",
+        ) from None
+
+
 def _check_token_ids(turn: dict, where: str) -> None:
     token_ids = turn["token_ids"]
     if turn["role"] != "assistant":
@@ -169,11 +187,11 @@ def _check_token_ids(turn: dict, where: str) -> None:
             "bad_token_ids", f"{where} ({turn['role']}) has 'token_ids'; only replies carry them"
         )
     if not isinstance(token_ids, list) or not all(
-        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in token_ids
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < MAX_TOKEN_ID for t in token_ids
     ):
         raise SampleError(
             "bad_token_ids",
-            f"{where} (assistant): 'token_ids' must be a list of non-negative integer token ids; "
+            f"{where} (assistant): 'token_ids' must be a list of integer token ids in [0, 2^31); "
             "regenerate the file or remove the field",
         )
     if not token_ids:

@@ -78,7 +78,7 @@ class _Tally:
         more = len(self.token_ids_mismatches) - MAX_LOGGED_MISMATCHES
         if more > 0 and not self.quiet:
             logger.warning(
-                "%s: %d more replies do not re-tokenise to their token_ids (trained on the ids; "
+                "%s: %d more samples do not re-tokenise to their token_ids (trained on the ids; "
                 "the first %d lines are in the summary's token_ids_mismatch_lines)",
                 self.path,
                 more,
@@ -139,21 +139,22 @@ def prepare_dataset(
                 ) from None
             tally.drop(error, line_number)
             continue
-        if any("token_ids" in turn for turn in sample.messages):
-            tally.token_ids(line_number, matches_text)
-        turns = hashlib.sha256(json.dumps(sample.messages).encode()).hexdigest()
-        if turns in first_line_of_turns:
-            tally.duplicate(line_number, first_line_of_turns[turns], kept=duplicates == "keep")
-            if duplicates == "drop":
-                continue
-        first_line_of_turns.setdefault(turns, line_number)
         truncated = len(input_ids) > max_length
         try:
             input_ids, loss_mask = _fit(input_ids, loss_mask, max_length)
         except SampleError as error:
             tally.drop(error, line_number)
             continue
-        tally.num_truncated += truncated  # of the kept samples
+        # duplicates of kept lines only (a line dropped above is no first occurrence)
+        turns = hashlib.sha256(json.dumps(sample.messages).encode()).hexdigest()
+        if turns in first_line_of_turns:
+            tally.duplicate(line_number, first_line_of_turns[turns], kept=duplicates == "keep")
+            if duplicates == "drop":
+                continue
+        first_line_of_turns.setdefault(turns, line_number)
+        if any("token_ids" in turn for turn in sample.messages):  # of the kept samples
+            tally.token_ids(line_number, matches_text)
+        tally.num_truncated += truncated
         rows["id"].append(sample.id)
         rows["input_ids"].append(input_ids)
         rows["loss_mask"].append(loss_mask)

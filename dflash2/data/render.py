@@ -174,7 +174,10 @@ def _end_of_turn(tokenizer: Any, end_of_turn: str | None) -> str:
         )
     end_of_turn = end_of_turn or tokenizer.eos_token
     if not end_of_turn:
-        raise ValueError("the tokenizer has no eos_token; pass end_of_turn (e.g. '<|im_end|>')")
+        raise ValueError(
+            "the tokenizer has no eos_token, which marks the end of a reply: prepare the data with "
+            "data_prep/prepare.py --end-of-turn <marker> (e.g. '<|im_end|>') and train on the directory it writes"
+        )
     return end_of_turn
 
 
@@ -204,7 +207,9 @@ def _assistant_spans(
             raise SampleError(
                 "template_mismatch",
                 f"turn {turn_number} (assistant): reply followed by {end_of_turn!r} not found verbatim in the "
-                "text rendered by the chat template (the template rewrites it, or its end-of-turn marker differs)",
+                "text rendered by the chat template (the template rewrites it, or its end-of-turn marker differs "
+                "from the tokenizer's eos token: prepare the data with data_prep/prepare.py --end-of-turn <marker> "
+                "and train on the directory it writes)",
             )
         spans.append((span[0], span[0] + len(content), span[1]))
         cursor = span[1]
