@@ -1,7 +1,7 @@
 """Memory planning on the meta device: what every rank holds for a run config, before any GPU is used.
 
     python -m dflash2.plan configs/recipes/qwen3.6-27b-dflash2-8gpu-zero3.yaml --world-size 8 \\
-        --target-config configs/target/qwen3.6-27b.json [--device-gb 80] [key=value ...]
+        --target-config configs/target/qwen3.6-27b.json [--device-gb 79] [key=value ...]
 
 Exit codes: 0 the run fits on every rank; 2 a user error, among them a train.global_batch_size that
 the data-parallel ranks cannot split; 3 (EXIT_DOES_NOT_FIT) a role needs more than --device-gb, so
@@ -38,6 +38,7 @@ from dflash2.models import build_draft
 from dflash2.models.attention import context_key_span
 
 GIB = 2**30
+DEVICE_GB = 79.0  # an 80 GB H100 leaves torch 79.1 GiB (85.0e9 bytes)
 GB = 1e9
 FP32 = DTYPE_BYTES["fp32"]
 # A checkpoint's bytes per draft parameter, summed over ranks: draft.safetensors (fp32 weights, rank 0)
@@ -244,6 +245,14 @@ def received_features(target_part: list[Item]) -> Item:
 
 
 def logits_item(cfg: RunConfig, vocab_size: int, supervised_rows: int) -> Item:
+    if cfg.objective.needs_teacher:
+        # distill_loss: a third of logits_chunk_rows a chunk, in three fp32 [rows, V] buffers (the
+        # logits, the teacher's -p, a work buffer), and the head product's output and the gradient's
+        # cast in the compute dtype
+        rows = min(max(1, cfg.objective.logits_chunk_rows // 3), supervised_rows)
+        act = DTYPE_BYTES[cfg.precision]
+        note = f"{rows} rows x {vocab_size} x (3 fp32 + 2 {cfg.precision}): a third of the chunk with the teacher"
+        return Item("logits chunk", rows * vocab_size * (3 * FP32 + 2 * act), note)
     rows = min(cfg.objective.logits_chunk_rows, supervised_rows)
     return Item("logits chunk", rows * vocab_size * FP32 * 3, f"{rows} rows x {vocab_size} x fp32 x 3")
 
@@ -251,7 +260,7 @@ def logits_item(cfg: RunConfig, vocab_size: int, supervised_rows: int) -> Item:
 # ------------------------------------------------------------------ the plan
 
 
-def plan_run(cfg: RunConfig, *, world_size: int, target_config, device_gb: float = 80.0) -> Plan:
+def plan_run(cfg: RunConfig, *, world_size: int, target_config, device_gb: float = DEVICE_GB) -> Plan:
     """Per-role memory of `cfg` on `world_size` ranks. Disaggregated runs have two roles.
     `target_config`: a transformers config, or the path of a config.json or of a directory holding one."""
     if isinstance(target_config, (str, Path)):
@@ -297,10 +306,15 @@ def _fit_hint(cfg: RunConfig, role: str) -> str:
         else "or offload with backend=deepspeed ds_config=ds_configs/zero3_offload.json (FSDP2 here offloads nothing)"
     )
     if role == "capture":
-        return (
-            f"add capture ranks (capture_ranks), lower train.micro_batch_size or data.max_length, {offload}"
+        lower = (
+            "train.micro_batch_size or data.max_length"
+            if cfg.train.micro_batch_size > 1
+            else "data.max_length"
         )
-    return f"lower train.micro_batch_size, data.max_length or objective.num_anchors, add ranks, {offload}"
+        return f"add capture ranks (capture_ranks), lower {lower}, {offload}"
+    levers = ["train.micro_batch_size"] if cfg.train.micro_batch_size > 1 else []
+    levers += ["data.max_length", "objective.num_anchors", "objective.logits_chunk_rows"]
+    return f"lower {', '.join(levers[:-1])} or {levers[-1]}, add ranks, {offload}"
 
 
 def target_items(
@@ -424,7 +438,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("config", help="run config YAML")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     parser.add_argument("--world-size", type=int, default=8, help="total ranks (GPUs) of the run (default 8)")
-    parser.add_argument("--device-gb", type=float, default=80.0, help="memory per device in GiB (default 80)")
+    parser.add_argument(
+        "--device-gb",
+        type=float,
+        default=DEVICE_GB,
+        help=f"usable memory per device in GiB (default {DEVICE_GB:g}: an 80 GB H100's, as torch.cuda.mem_get_info reports it)",
+    )
     parser.add_argument(
         "--target-config", default=None, help="target config.json or directory (default: model.target)"
     )

@@ -205,6 +205,41 @@ def test_cli_prints_plan_and_warns_on_small_devices(capsys):
     assert "DOES NOT FIT" in out and "WARNING: colocated ranks need" in out
 
 
+def test_the_fit_hint_names_only_levers_that_can_move(capsys):
+    args = [ZERO3_RECIPE, "--world-size", "8", "--target-config", TARGET_27B, "--device-gb", "24"]
+    main(args)  # the recipe's micro-batch is 1 already
+    out = capsys.readouterr().out
+    assert "lower data.max_length, objective.num_anchors or objective.logits_chunk_rows, add ranks" in out
+    main([*args, "train.micro_batch_size=2"])
+    assert (
+        "lower train.micro_batch_size, data.max_length, objective.num_anchors or" in capsys.readouterr().out
+    )
+
+
+def test_the_logits_chunk_with_the_teacher_is_what_distill_loss_allocates(monkeypatch):
+    """distill_loss cuts a third of logits_chunk_rows a chunk (three fp32 [rows, V] buffers each):
+    the rows it is handed are counted here, not assumed."""
+    import dflash2.objective as objective_module
+
+    target_config = load_target_config(TARGET_27B)
+    cfg = load_run_config(ZERO3_RECIPE)
+    assert cfg.objective.needs_teacher
+    (role,) = plan_run(cfg, world_size=8, target_config=target_config).roles
+    seen = []
+    apply = objective_module._ChunkedDistill.apply
+    monkeypatch.setattr(objective_module._ChunkedDistill, "apply", lambda *a: seen.append(a[8]) or apply(*a))
+    head = TargetHead(torch.randn(50, 8), torch.randn(50, 8))
+    terms = objective_module.LossTerms(0.0, 1.0, 0.0, 1.0, 1.0, None)
+    rows = cfg.objective.logits_chunk_rows
+    objective_module.distill_loss(
+        torch.randn(4, 8), head, torch.zeros(4, dtype=torch.long), torch.ones(4), torch.randn(4, 8),
+        torch.arange(4), terms, rows, 4,
+    )  # fmt: skip
+    (chunk,) = seen
+    vocab = target_config.get_text_config().vocab_size
+    assert item(role, "logits chunk") == chunk * vocab * (3 * 4 + 2 * 2)  # bf16 compute
+
+
 def test_cli_exit_codes_gate_a_launch(capsys):
     """0: fits; 3 (EXIT_DOES_NOT_FIT): a role needs more than --device-gb; 2: a global batch the
     data-parallel ranks cannot split (30 sequences on 8 ranks), one message, before any model is built."""

@@ -79,10 +79,11 @@ class FSDPBackend(Backend):
     def plan_gathered(cls, counts: ParamCounts, dtype_bytes: int, with_grads: bool) -> tuple[float, str]:
         # FSDP2 keeps the root unit unsharded after forward; one block computes while the next prefetches.
         numel = counts.root + 2 * counts.largest_block
-        # unsharded grads before reduce-scatter
-        grads = counts.largest_block * DTYPE_BYTES["fp32"] if with_grads else 0
+        # a block's unsharded gradients (compute dtype) and its fp32 reduce-scatter input, filled while
+        # they live, beside the previous block's, which may still be reducing
+        grads = counts.largest_block * (dtype_bytes + 2 * DTYPE_BYTES["fp32"]) if with_grads else 0
         note = "root unit + 2 blocks (compute + prefetch)" + (
-            " + one block's fp32 grads" if with_grads else ""
+            " + one block's grads and two fp32 reduce-scatter buffers" if with_grads else ""
         )
         return numel * dtype_bytes + grads, note
 
