@@ -506,10 +506,9 @@ def evaluate_drafts(
     torch.manual_seed(seed)
     dtype = torch_dtype(precision)
     warn_if_slow_bf16(torch.device(device), dtype)
-    target, head, tokenizer = load_target(target_dir, device, dtype)
-    drafts = [load_draft_for(target, d, device, dtype) for d in draft_dirs]
-    use_decoding_layout(target, head, *drafts)
+    target, head, tokenizer, drafts = load_for_evaluation(target_dir, draft_dirs, device, dtype)
     prompts = [encode_prompt(m, tokenizer, settings[0][0]) for m in read_prompts(data_jsonl, num_prompts)]
+    stops = stop_token_ids(tokenizer, target)
     evaluated = compare_drafts(
         drafts,
         target,
@@ -517,26 +516,40 @@ def evaluate_drafts(
         prompts,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
-        stop_token_ids=stop_token_ids(tokenizer, target),
+        stop_token_ids=stops,
         seed=seed,
     )
     inputs = dict(target=str(target_dir), data=str(data_jsonl), temperature=temperature, seed=seed)
-    summaries = []
-    for i, ((summary, _), path, (kwargs, step, notes)) in enumerate(zip(evaluated, draft_dirs, settings)):
-        notes = list(notes)
-        if temperature == 0 and summary["outputs_equal_target"] < len(prompts):
-            notes.append(greedy_mismatch_note(len(prompts) - summary["outputs_equal_target"], len(prompts)))
-        summary.update(
-            draft=str(path),
-            **inputs,
-            precision=precision,
-            step=step,
-            chat_template_kwargs=kwargs,
-            notes=notes,
-        )
-        write_reports(summary, _nth(out_jsons, i), _nth(tb_dirs, i), _nth(plot_paths, i))
-        summaries.append(summary)
-    return summaries
+    inputs["precision"] = precision
+    reports = [[_nth(paths, i) for paths in (out_jsons, tb_dirs, plot_paths)] for i in range(len(draft_dirs))]
+    return [
+        _finish_summary(summary, path, setting, inputs, len(prompts), report)
+        for (summary, _), path, setting, report in zip(evaluated, draft_dirs, settings, reports)
+    ]
+
+
+def _finish_summary(
+    summary: dict, draft_dir, setting: tuple, inputs: dict, num_prompts: int, reports: list
+) -> dict:
+    """A draft's summary with what it was evaluated on and its notes, written where asked."""
+    kwargs, step, notes = setting
+    notes = list(notes)
+    if inputs["temperature"] == 0 and summary["outputs_equal_target"] < num_prompts:
+        notes.append(greedy_mismatch_note(num_prompts - summary["outputs_equal_target"], num_prompts))
+    summary.update(draft=str(draft_dir), **inputs, step=step, chat_template_kwargs=kwargs, notes=notes)
+    write_reports(summary, *reports)
+    return summary
+
+
+def load_for_evaluation(
+    target_dir: str | Path, draft_dirs: Sequence[str | Path], device: str, dtype: torch.dtype
+) -> tuple[nn.Module, TargetHead, object, list[DFlashDraftModel]]:
+    """(target, head, tokenizer, drafts): each draft refused unless it fits the target, all laid out
+    for decoding."""
+    target, head, tokenizer = load_target(target_dir, device, dtype)
+    drafts = [load_draft_for(target, d, device, dtype) for d in draft_dirs]
+    use_decoding_layout(target, head, *drafts)
+    return target, head, tokenizer, drafts
 
 
 def drafts_settings(

@@ -192,13 +192,17 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="a run-config override for both drafts (e.g. objective.num_anchors=64); repeatable",
     )
     args = parser.parse_args(argv)
-    for item in args.train:
+    _check_train_overrides(parser, args.train)
+    return args
+
+
+def _check_train_overrides(parser: argparse.ArgumentParser, items: list[str]) -> None:
+    for item in items:
         key = item.split("=", 1)[0]
         if "=" not in item:
             parser.error(f"--train {item!r}: give KEY=VALUE, e.g. objective.num_anchors=64")
         if key in DEMO_SETS:
             parser.error(f"--train {item}: the demo sets {key} itself; {DEMO_SETS[key]}")
-    return args
 
 
 class Stages:
