@@ -51,11 +51,13 @@ for path in (REPO_ROOT, REPO_ROOT / "benchmarks"):  # run as a plain script from
 
 import train_step  # noqa: E402  (benchmarks/train_step.py)
 
+from dflash2.hardware import check_device  # noqa: E402
 from dflash2.models.attention import context_key_span  # noqa: E402
 
 TINY_DIR = REPO_ROOT / "artifacts" / "tiny"
 TINY_CONFIG = REPO_ROOT / "configs" / "tiny-dflash2.yaml"
 BACKENDS = ("deepspeed", "fsdp")
+LOSS_TOLERANCE = 0.05  # the backends' bf16 losses of the same seeded steps (reduction order apart)
 # Peak dense bf16 tensor FLOP/s (no sparsity), by a substring of torch.cuda.get_device_name();
 # the first match wins, so the more specific names come first.
 PEAK_BF16_TFLOPS = (
@@ -185,7 +187,7 @@ def train_command(backend: str, run_dir: Path, data: Path, steps: int) -> list[s
     overrides = [
         f"backend={backend}", "precision=bf16", f"output_dir={run_dir}", f"data.train={data}",
         f"train.max_steps={steps}", "train.save_every=0", "train.log_every=1", "train.warmup_steps=1",
-        "train.progress_bar=false", "train.export=true",
+        "train.progress_bar=false", "train.export=true", "train.resume=none",  # a reused --work-dir trains anew
     ]  # fmt: skip
     return [sys.executable, str(REPO_ROOT / "launch" / "train.py"), "--config", str(TINY_CONFIG), *overrides]
 
@@ -340,6 +342,7 @@ def run_checks(args: argparse.Namespace, work: Path) -> dict:
             summary = json.loads(eval_json.read_text())
             keys = ("mean_acceptance_length", "generated_tokens", "tokens_per_s", "wall_s", "draft")
             keys += ("target_tokens_per_s", "speedup")  # the target alone, same prompts
+            keys += ("num_prompts", "outputs_equal_target")
             parts["evaluate"].update({k: summary[k] for k in keys})
     else:
         parts["evaluate"] = {"status": "skipped", "reason": "no training run produced an export"}
@@ -365,20 +368,44 @@ def environment(args: argparse.Namespace) -> dict:
     return info
 
 
+def result_checks(parts: dict, loss_diff: float | None) -> dict[str, bool]:
+    """What `all_ok` asks of a run: every part ran, and their results are right, not only present."""
+    checks = {f"{name} ran": part["status"] == "ok" for name, part in parts.items()}
+    checks["every part ran"] = len(parts) == len(TIME_LIMITS_S)
+    for backend in BACKENDS:
+        checks[f"train_{backend} losses finite"] = bool(
+            parts.get(f"train_{backend}", {}).get("losses_finite")
+        )
+    checks[f"backends' losses within {LOSS_TOLERANCE}"] = loss_diff is not None and loss_diff < LOSS_TOLERANCE
+    evaluation = parts.get("evaluate", {})
+    # evaluation runs in fp32: speculative decoding must reproduce the target's greedy output
+    equal, prompts = evaluation.get("outputs_equal_target"), evaluation.get("num_prompts")
+    checks["speculative outputs equal the target's"] = equal is not None and equal == prompts
+    return checks
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.device != "cpu":  # before minutes of parts that would fall back to the CPU
+        try:
+            check_device(args.device)
+        except ValueError as error:
+            raise SystemExit(f"error: {error}") from None
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="gpu_check_") as tmp:
         work = args.work_dir or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
         parts = run_checks(args, work)
     losses = [parts.get(f"train_{b}", {}).get("losses") for b in BACKENDS]
+    # the two backends run the same seeded steps: their losses agree up to bf16 reduction order
+    loss_diff = max(abs(a - b) for a, b in zip(*losses)) if all(losses) else None
+    checks = result_checks(parts, loss_diff)
     summary = {
         "environment": environment(args),
         "parts": parts,
-        "all_ok": all(p["status"] == "ok" for p in parts.values()) and len(parts) == len(TIME_LIMITS_S),
-        # the two backends run the same seeded steps: their losses agree up to bf16 reduction order
-        "backend_loss_max_abs_diff": max(abs(a - b) for a, b in zip(*losses)) if all(losses) else None,
+        "checks": checks,
+        "all_ok": all(checks.values()),
+        "backend_loss_max_abs_diff": loss_diff,
         "seconds": round(time.perf_counter() - start, 1),
     }
     text = json.dumps(summary, indent=2)

@@ -105,12 +105,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("overrides", nargs="*", help="dotted key=value overrides of the run config")
     add("--warmup", type=int, default=2, help="optimizer steps per pass not reported")
     add("--steps", type=int, default=8, help="optimizer steps per pass reported")
-    add("--passes", nargs="+", default=list(PASSES), choices=PASSES, help="colocated passes to run")
-    add("--floor-repeats", type=int, default=3, help="timings of the bare head matmuls per shape (median)")
+    add("--passes", nargs="+", default=None, choices=PASSES, help="colocated passes to run (default: all)")
+    add(
+        "--floor-repeats",
+        type=int,
+        default=None,
+        help="timings of the bare head matmuls per shape (median; 3)",
+    )
     add("--work-dir", type=Path, default=None, help="run directories of the passes (default: a temp dir)")
     add("--json", type=Path, default=None, help="write the results to this JSON file")
     add("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    # what only the colocated passes read, when given (a disaggregated run refuses them)
+    args.colocated_flags = [
+        flag
+        for flag, value in (("--passes", args.passes), ("--floor-repeats", args.floor_repeats))
+        if value is not None
+    ]
+    args.passes = args.passes or list(PASSES)
+    args.floor_repeats = 3 if args.floor_repeats is None else args.floor_repeats
     if args.warmup < 0 or args.steps < 1 or args.floor_repeats < 1:
         raise ValueError(
             f"--warmup {args.warmup} --steps {args.steps} --floor-repeats {args.floor_repeats}: "
@@ -491,6 +504,11 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         args = parse_args(argv)
         cfg = load_run_config(args.config, args.overrides)
+        if cfg.topology == "disaggregated" and args.colocated_flags:
+            raise ValueError(
+                f"{' and '.join(args.colocated_flags)}: the colocated passes' settings; a disaggregated run "
+                "is timed as one run (drop them)"
+            )
     except ValueError as error:  # a user error: one message that names the fix, no traceback
         print(f"error: {error}", file=sys.stderr)
         sys.exit(2)

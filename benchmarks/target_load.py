@@ -104,6 +104,15 @@ def _status_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field}")
 
 
+def _import_loaders() -> None:
+    """What `load` imports, whichever method it runs (a later import is a dict lookup)."""
+    import torch.distributed.checkpoint  # noqa: F401
+    import transformers.models.qwen3.modeling_qwen3  # noqa: F401
+    from transformers import AutoModelForCausalLM  # noqa: F401
+
+    import dflash2.target.load  # noqa: F401
+
+
 def load(method: str, backend, target_dir: str):
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -145,6 +154,7 @@ def worker(args: argparse.Namespace) -> None:
 
     init_distributed("fsdp")
     backend = build_backend("fsdp", None, 1, 1)
+    _import_loaders()  # their imports (73 MiB) are no method's cost: before the mark is reset
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS mark (VmHWM) to the current RSS
     baseline_kib = _status_kib("VmRSS")
     target = load(args.worker, backend, args.target_dir)

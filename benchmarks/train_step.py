@@ -11,7 +11,7 @@ inputs.
 Every measured (anchor count, variant) pair runs in its own fresh subprocess, so one variant's
 allocator state never inflates another's peak:
   - CPU: the kernel's peak-RSS mark is reset (`/proc/self/clear_refs`) after the model and inputs
-    are built; the peak is `resource.getrusage(...).ru_maxrss` after the steps, minus that baseline.
+    are built; the peak is the process's VmHWM (/proc/self/status) after the steps, minus the RSS then.
   - CUDA: `torch.cuda.max_memory_allocated()` after the steps, minus `memory_allocated()` before.
 
 Example (see docs/benchmarks.md for the recorded runs):
@@ -25,7 +25,6 @@ import argparse
 import gc
 import json
 import platform
-import resource
 import statistics
 import subprocess
 import sys
@@ -264,19 +263,24 @@ def _reset_peak_memory(device: torch.device) -> int:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         return torch.cuda.memory_allocated(device)
-    # Writing 5 resets the peak RSS (VmHWM, and so ru_maxrss) to the current RSS (Linux >= 4.0).
+    # Writing 5 resets this process's peak RSS (VmHWM) to its current RSS (Linux >= 4.0). Not
+    # getrusage's ru_maxrss: a child starts with its parent's peak there, which no reset clears.
     Path("/proc/self/clear_refs").write_text("5")
-    return _ru_maxrss_bytes()
+    return _status_bytes("VmRSS")
 
 
 def _peak_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return _ru_maxrss_bytes()
+    return _status_bytes("VmHWM")
 
 
-def _ru_maxrss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+def _status_bytes(field: str) -> int:
+    """A memory field of /proc/self/status (reported in KiB), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"/proc/self/status has no {field}")
 
 
 # ------------------------------------------------------------------ orchestration

@@ -102,3 +102,25 @@ def test_kl_and_tv_variants_are_measured_against_the_chunked_step(tmp_path):
             by_variant[variant]["supervised_tokens_per_step"]
             == by_variant["chunked"]["supervised_tokens_per_step"]
         )
+
+
+def test_cpu_peak_memory_is_the_workers_own_under_a_large_parent(tmp_path):
+    """The benchmark run from a process whose peak RSS is large (a pytest worker, a notebook): each
+    worker it starts measures its own step. getrusage's ru_maxrss starts at the starting process's
+    peak and read 0 MiB there. The naive variant holds at least its fp32 logits
+    [batch * anchors * (B - 1), V] at its peak."""
+    vocab, anchors = 32000, 40
+    out = tmp_path / "r.json"
+    argv = [str(SCRIPT), *TINY, "--vocab", str(vocab), "--anchors", str(anchors), "--json", str(out)]
+    code = (
+        "import runpy, sys\n"
+        "ballast = b'\\x01' * (1200 * 2**20)  # written: this process's peak RSS is above 1.2 GiB\n"
+        f"sys.argv = {argv!r}\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr
+    naive = next(r for r in json.loads(out.read_text())["results"] if r["variant"] == "naive")
+    assert naive["peak_memory_bytes"] >= 2 * anchors * 3 * vocab * 4

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 REPO = Path(__file__).resolve().parents[1]
@@ -47,6 +48,26 @@ def test_peak_table_finds_known_gpus_and_asks_otherwise():
     assert gpu_check.peak_flops(None, 100.0)[0] == 100e12
 
 
+def test_all_ok_asks_for_right_results_not_only_finished_parts():
+    ok = {name: {"status": "ok"} for name in gpu_check.TIME_LIMITS_S}
+    for backend in gpu_check.BACKENDS:
+        ok[f"train_{backend}"]["losses_finite"] = True
+    ok["evaluate"].update(num_prompts=2, outputs_equal_target=2)
+    assert all(gpu_check.result_checks(ok, 0.01).values())
+    assert not gpu_check.result_checks(ok, 0.2)["backends' losses within 0.05"]
+    ok["evaluate"]["outputs_equal_target"] = 1  # a CUDA path that decodes other tokens
+    assert not gpu_check.result_checks(ok, 0.01)["speculative outputs equal the target's"]
+    ok["train_fsdp"]["losses_finite"] = False
+    assert not gpu_check.result_checks(ok, 0.01)["train_fsdp losses finite"]
+
+
+def test_a_device_the_machine_lacks_stops_before_any_part(monkeypatch, tmp_path):
+    monkeypatch.setattr(gpu_check, "run_checks", lambda *a: pytest.fail("a part ran"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="--device cuda: this machine has no usable CUDA device"):
+        gpu_check.main(["--device", "cuda", "--work-dir", str(tmp_path)])
+
+
 @pytest.mark.slow
 def test_cpu_tiny_run_covers_every_part(tmp_path):
     """What CI runs: both backends train the tiny default in bf16 (one process each, the real
@@ -60,6 +81,7 @@ def test_cpu_tiny_run_covers_every_part(tmp_path):
     assert json.loads(proc.stdout) == summary  # the one JSON document on stdout
     parts = summary["parts"]
     assert summary["all_ok"] and set(parts) == set(gpu_check.TIME_LIMITS_S)
+    assert all(summary["checks"].values()) and "speculative outputs equal the target's" in summary["checks"]
     for backend in gpu_check.BACKENDS:
         run = parts[f"train_{backend}"]
         assert run["steps"] == 2 and run["losses_finite"] and Path(run["export"], "config.json").is_file()

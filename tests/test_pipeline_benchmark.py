@@ -107,3 +107,8 @@ def test_bad_arguments_are_one_clear_message(capsys):
     assert capsys.readouterr().err == (
         "error: --passes draft trains on the features of the capture pass: add capture\n"
     )
+    # the colocated passes' flags mean nothing to a disaggregated run, which would ignore them
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--floor-repeats", "5", "topology=disaggregated", "capture_ranks=1"])
+    assert exit_info.value.code == 2
+    assert "--floor-repeats: the colocated passes' settings; a disaggregated run" in capsys.readouterr().err
