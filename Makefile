@@ -5,9 +5,10 @@ PIP ?= .venv/bin/pip
 
 install: .venv/.installed
 
-.venv/.installed: requirements.txt requirements-nodeps.txt setup.py
+.venv/.installed: requirements.txt constraints.txt requirements-nodeps.txt setup.py
+	python3 -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "dflash2 needs Python >= 3.11 (python3 is " + sys.version.split()[0] + ")")'
 	python3 -m venv .venv
-	$(PIP) install -q -r requirements.txt
+	$(PIP) install -q -r requirements.txt -c constraints.txt
 	$(PIP) install -q --no-deps -r requirements-nodeps.txt
 	$(PIP) install -q --no-deps -e .
 	touch $@
