@@ -69,7 +69,9 @@ def test_a_device_the_machine_lacks_stops_before_any_part(monkeypatch, tmp_path)
 
 
 @pytest.mark.slow
-def test_cpu_tiny_run_covers_every_part(tmp_path):
+def test_cpu_tiny_run_covers_every_part(
+    tiny_default, tmp_path
+):  # built first: the check's own build reuses it
     """What CI runs: both backends train the tiny default in bf16 (one process each, the real
     trainer), the step benchmark and the evaluation run, and one JSON summary comes out."""
     out = tmp_path / "summary.json"
