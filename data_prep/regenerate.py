@@ -54,7 +54,18 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=("auto", *DTYPES),
         help="local target dtype (bf16 and bfloat16, fp32 and float32 are the same; auto: the checkpoint's)",
     )
-    parser.add_argument("--on-error", choices=("skip", "fail"), default="skip", help="malformed input lines")
+    parser.add_argument(
+        "--on-error",
+        choices=("skip", "fail"),
+        default="skip",
+        help="malformed input lines, and conversations the server refuses or answers empty",
+    )
+    parser.add_argument(
+        "--timeout-s",
+        type=float,
+        default=600.0,
+        help="server: seconds to wait for one reply before asking again",
+    )
     parser.add_argument(
         "--capture-config", help="run config YAML whose features to keep while regenerating (local target)"
     )
@@ -68,6 +79,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_debug_flag(parser)
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides of --capture-config")
     args = parser.parse_args(argv)
+    _check_args(parser, args)
+    return args
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.server_url and not args.model:
         parser.error("--model is required with --server-url (the name the server serves)")
     if bool(args.capture_config) != bool(args.features_out):
@@ -79,7 +95,6 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     require_path(args.input, "--input", "file", "a training_jsonl file")
     if args.target:
         require_path(args.target, "--target", "dir", "the target's local model directory")
-    return args
 
 
 def _local_target(args: argparse.Namespace, dtype):
@@ -156,6 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             args.max_new_tokens,
             args.chat_template_kwargs,
             concurrency=args.batch_size,
+            timeout_s=args.timeout_s,
         )
     else:
         generator = _local_generator(args)

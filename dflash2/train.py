@@ -356,6 +356,12 @@ def _fit(setup: Setup, timer: StepTimer | None, stop_vote: Callable[[], bool] | 
     stop_request.stopped = False  # an earlier fit's in this process
     state = _resume(setup)
     start = state.step
+    if start > t.last_step and backend.is_main:  # at it exactly: the run is done, and says so at its end
+        limit = "train.stop_at_step" if t.last_step < t.max_steps else "train.max_steps"
+        print(
+            f"[dflash2] the checkpoint is at step {start}, past {limit}={t.last_step}: no step to train",
+            flush=True,
+        )
     with collective_section("setting aside the checkpoints of steps after this launch's start"):
         set_aside_later_checkpoints(backend, setup.plan.run_dir, start)  # as the logs below trim theirs
     logger = TrainLogger(setup.plan.run_dir, t, start_step=start, enabled=backend.is_main)
@@ -413,10 +419,15 @@ def check_finite(step: int, summary: dict[str, float], timing: dict, saved: Path
     bad = {name: value for name, value in values.items() if not math.isfinite(value)}
     if bad:
         terms = ", ".join(f"{name} {value}" for name, value in bad.items())
+        lower = (
+            f"resume from the latest checkpoint ({saved}) with more train.warmup_steps (the new schedule "
+            "applies from the resumed step; a resume keeps the checkpoint's train.lr), or start again "
+            "(train.resume=none) with a lower train.lr"
+            if saved
+            else "start again with a lower train.lr or more train.warmup_steps"
+        )
         raise ReportedError(
-            f"training diverged at step {step}: {terms}. Its update is not checkpointed; resume from the latest "
-            f"checkpoint ({saved or 'none: start again'}) with a lower train.lr or more "
-            "train.warmup_steps"
+            f"training diverged at step {step}: {terms}. Its update is not checkpointed; {lower}"
         )
 
 
@@ -467,6 +478,11 @@ def end_message(step: int, max_steps: int, checkpoint: Path | None) -> str:
     if not stop_request.stopped:
         return f"[dflash2] done: step {step}, checkpoint {checkpoint}"
     asked = f"a {stop_request.describe()}" if stop_request.signal_name else "another rank's stop request"
+    if checkpoint is None:  # stopped before this run's first step
+        return (
+            f"[dflash2] stopped on {asked} after step {step} of {max_steps}: no checkpoint yet; "
+            "run the same command again to start"
+        )
     return (
         f"[dflash2] stopped on {asked} after step {step} of {max_steps}: checkpoint {checkpoint}; "
         "run the same command again to resume"

@@ -65,6 +65,11 @@ def test_a_stopped_fit_leaves_no_stop_behind_and_a_setup_is_fitted_once(override
         dflash2.fit(clean)
     again = setup_of(overrides, tmp_path / "clean")  # resume=auto: nothing left to train
     assert dflash2.fit(again) == {}
+    past = setup_of(
+        overrides, tmp_path / "clean", "train.max_steps=1"
+    )  # before: "done: step 2", nothing else
+    assert dflash2.fit(past) == {}
+    assert "the checkpoint is at step 2, past train.max_steps=1: no step to train" in capsys.readouterr().out
 
 
 def test_fit_refuses_a_setup_that_train_step_advanced(overrides, tmp_path):
@@ -196,6 +201,12 @@ def test_a_launch_that_stops_before_its_first_save_leaves_logs_and_checkpoints_i
     assert "step 7/8" in capsys.readouterr().out  # the launch's last step, though log_every is 4
 
 
+def test_a_fresh_run_stopped_before_its_first_step_says_it_has_no_checkpoint(overrides, tmp_path, capsys):
+    dflash2.fit(setup_of(overrides, tmp_path / "run"), stop_vote=lambda: True)
+    out = capsys.readouterr().out
+    assert "after step 0 of 2: no checkpoint yet; run the same command again to start" in out, out
+
+
 def test_a_diverged_step_is_logged_and_stops_the_run_naming_it(overrides, tmp_path, monkeypatch):
     import json
 
@@ -216,7 +227,8 @@ def test_a_diverged_step_is_logged_and_stops_the_run_naming_it(overrides, tmp_pa
     setup = setup_of(overrides, tmp_path / "run", "train.max_steps=4", "train.micro_batch_size=4")
     with pytest.raises(
         dflash2.errors.ReportedError,
-        match="training diverged at step 2: loss nan, base_loss nan, grad_norm nan",
+        match="training diverged at step 2: loss nan, base_loss nan, grad_norm nan.*"
+        "start again with a lower train.lr",  # no checkpoint yet
     ):
         dflash2.fit(setup)
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()

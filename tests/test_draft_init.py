@@ -147,6 +147,31 @@ def test_wrong_layer_ids_are_refused(targets):
             init_from_target(draft, target_dir, config, ids)
 
 
+def test_a_draft_deeper_than_the_target_names_the_setting_to_give(targets):
+    target_dir = targets["llama"]  # 6 layers
+    draft = draft_for(target_dir, num_layers=7)
+    with pytest.raises(
+        ValueError, match="the draft has 7 layers, the target 6: give model.init_target_layers 7"
+    ):
+        init_from_target(draft, target_dir, AutoConfig.from_pretrained(target_dir))
+    summary = init_from_target(
+        draft, target_dir, AutoConfig.from_pretrained(target_dir), [0, 1, 2, 3, 4, 5, 5]
+    )
+    assert "5 -> 6" in summary  # repeats are allowed
+
+
+def test_a_draft_under_another_rope_than_the_target_is_named(targets):
+    target_dir = targets["llama"]
+    cfg, _ = build_draft_config(target_dir, DraftChoices(num_layers=1, block_size=4))
+    assert init_from_target(build_draft(cfg), target_dir, AutoConfig.from_pretrained(target_dir)).startswith(
+        "draft initialised"
+    )  # the same RoPE: nothing to say
+    theta = cfg["rope_parameters"]["rope_theta"] * 100
+    cfg["rope_parameters"]["rope_theta"] = cfg["rope_theta"] = theta
+    summary = init_from_target(build_draft(cfg), target_dir, AutoConfig.from_pretrained(target_dir))
+    assert summary.startswith(f"note: the draft's RoPE (rope_type default, rope_theta {theta})")
+
+
 def test_layers_without_the_switch_are_a_config_conflict():
     from dflash2.config import ModelConfig
 

@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash2.data.regenerate import LocalTargetGenerator, regenerate_file
+from dflash2.data import regenerate as regenerate_module
+from dflash2.data.regenerate import LocalTargetGenerator, ServerGenerator, regenerate_file
 from dflash2.data.render import encode_prompt, render_text
+from dflash2.errors import ReportedError
 from tests.run_helpers import run_script_main
 
 
@@ -76,12 +78,21 @@ class _ChatServer(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         self.requests.append(body)
         turn = sum(m["role"] == "assistant" for m in body["messages"]) + 1
-        reply = f"Reply {turn} to: {body['messages'][-1]['content']}"
+        last = body["messages"][-1]["content"]
+        reply = f"Reply {turn} to: {last}"
         answer = {"choices": [{"index": 0, "message": {"role": "assistant", "content": reply}}]}
-        if "cut me" in body["messages"][-1]["content"]:  # a reply that reached max_tokens
+        if "cut me" in last:  # a reply that reached max_tokens
             answer["choices"][0]["finish_reason"] = "length"
-        data = json.dumps(answer).encode()
-        self.send_response(200)
+        if "say nothing" in last:
+            answer["choices"][0]["message"]["content"] = ""
+        status, data = 200, json.dumps(answer).encode()
+        if "too long" in last:  # what a server answers a prompt longer than its context
+            status, data = 400, b'{"error": "the prompt is longer than the context"}'
+        if "busy" in last and sum(last == r["messages"][-1]["content"] for r in self.requests) <= 2:
+            status, data = 503, b'{"error": "overloaded"}'  # twice, then an answer
+        if "garbage" in last:
+            data = b"<html>Bad gateway</html>"
+        self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
@@ -165,6 +176,39 @@ class _FakeGenerator:
         if self.fail_after is not None and self.num_calls > self.fail_after:
             raise RuntimeError("simulated crash")
         return [f"reply to {history[-1]['content']}" for history in histories]
+
+
+def test_a_conversation_the_server_refuses_or_answers_empty_is_reported_and_the_rest_written(
+    chat_server, tmp_path, caplog
+):
+    """One prompt a server refuses (HTTP 400) stopped every rerun at the same place; an empty reply
+    was written, and training then refused the whole conversation."""
+    url, _ = chat_server
+    rows = [
+        {"id": name, "conversations": [{"role": "user", "content": text}]}
+        for name, text in (("a", "hi"), ("b", "this one is too long"), ("c", "say nothing"), ("d", "bye"))
+    ]
+    source, output = _write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl"
+    generator = ServerGenerator(url, "tiny", max_new_tokens=8)
+    counts = regenerate_file(source, output, generator, batch_size=4)
+    assert sorted(row["id"] for row in _read_jsonl(output)) == ["a", "d"]
+    assert (counts["num_written"], counts["num_refused"], counts["num_empty_replies"]) == (2, 1, 1)
+    assert "id 'b' (line 2): the server refused it: HTTP 400" in caplog.text
+    assert "id 'c' (line 3): an empty reply, which training refuses; not written" in caplog.text
+    # with on_error="fail", the first met (shortest prompt first) stops the run
+    with pytest.raises(ValueError, match="id 'c' \\(line 3\\): an empty reply, which training refuses"):
+        regenerate_file(source, tmp_path / "fail.jsonl", generator, batch_size=4, on_error="fail")
+
+
+def test_a_busy_server_is_asked_again_and_a_garbled_answer_is_one_message(chat_server, tmp_path, monkeypatch):
+    url, requests = chat_server
+    monkeypatch.setattr(regenerate_module.time, "sleep", lambda s: None)
+    generator = ServerGenerator(url, "tiny", max_new_tokens=8)
+    busy = [{"role": "user", "content": "busy now"}]
+    assert generator.generate([busy])[0].text == "Reply 1 to: busy now"
+    assert len(requests) == 3  # two 503s, then the answer
+    with pytest.raises(ReportedError, match="answered what is not an OpenAI chat completion: b'<html>"):
+        generator.generate([[{"role": "user", "content": "garbage"}]])
 
 
 def test_resume_after_crash_with_partial_line(tmp_path):

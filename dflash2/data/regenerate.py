@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
@@ -33,10 +34,13 @@ import torch
 
 from dflash2.data.jsonl import Sample, SampleError, iter_lines, parse_sample, prompt_turns
 from dflash2.data.render import encode_prompt, render_text, render_with_token_ids, stop_token_ids
+from dflash2.errors import ReportedError
 from dflash2.target.cache import new_cache
 from dflash2.target.recorded_generate import check_full_attention, generate_recording
 
 logger = logging.getLogger(__name__)
+REFUSED = "refused"  # the key of a turn the server refused, in memory only
+RETRIES = 5  # of a request the server answered busy or failing: after 1 + 2 + 4 + 8 + 16 s
 Messages = list[dict[str, str]]
 
 
@@ -52,6 +56,9 @@ class Reply:
     features: torch.Tensor | None = None
     # the reply reached the length limit before an end-of-turn token: the target would have gone on
     cut: bool = False
+    # why the server refused this history (an HTTP 4xx: a prompt longer than its context, say); the
+    # conversation is then reported and not written
+    refused: str | None = None
 
 
 class ReplyGenerator(Protocol):
@@ -189,6 +196,22 @@ class ServerGenerator:
             return list(pool.map(self._complete, histories))
 
     def _complete(self, history: Messages) -> Reply:
+        """One reply; a busy or failing server (HTTP 408, 429, 5xx, a timeout) is asked again after
+        1, 2, 4, ... s, RETRIES times, before the run stops with its last answer."""
+        for attempt in range(RETRIES + 1):
+            try:
+                return self._request(history)
+            except _Transient as error:
+                if attempt == RETRIES:
+                    raise ReportedError(
+                        f"{self.url}: {error} (asked {RETRIES + 1} times); the finished conversations are "
+                        "written: rerun the same command to resume"
+                    ) from None
+                logger.warning("%s: %s; asking again in %d s", self.url, error, 2**attempt)
+                time.sleep(2**attempt)
+        raise AssertionError("unreachable")
+
+    def _request(self, history: Messages) -> Reply:
         body: dict[str, Any] = {
             "model": self.model,
             "messages": history,
@@ -202,20 +225,37 @@ class ServerGenerator:
         )
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                answer = json.loads(response.read())
+                raw = response.read()
         except urllib.error.HTTPError as error:
             detail = error.read().decode(errors="replace")[:500]
-            raise RuntimeError(f"{self.url} answered HTTP {error.code}: {detail}") from None
+            if error.code in (408, 429) or error.code >= 500:
+                raise _Transient(f"HTTP {error.code}: {detail}") from None
+            return Reply("", refused=f"HTTP {error.code}: {detail}")
         except urllib.error.URLError as error:
+            if isinstance(error.reason, (TimeoutError, ConnectionResetError)):
+                raise _Transient(str(error.reason) or type(error.reason).__name__) from None
             raise ValueError(f"cannot reach {self.url} ({error.reason}); check --server-url") from None
-        choice = answer["choices"][0]
-        message = choice["message"]
+        except (TimeoutError, ConnectionResetError) as error:  # raised while reading the answer
+            raise _Transient(f"no answer within {self.timeout_s:g} s ({type(error).__name__})") from None
+        try:
+            answer = json.loads(raw)
+            choice = answer["choices"][0]
+            message = choice["message"]
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise ReportedError(
+                f"{self.url} answered what is not an OpenAI chat completion: {raw[:300]!r}; is --server-url "
+                "the server's root (or its /v1)?"
+            ) from None
         if message.get("reasoning_content"):
             raise ValueError(
                 "the server split the reply into reasoning_content and content; start it without a reasoning "
                 "parser so that the reply text (thinking included) comes back verbatim"
             )
         return Reply(message["content"] or "", cut=choice.get("finish_reason") == "length")
+
+
+class _Transient(Exception):
+    """A server answer worth asking again (busy, failing, too slow)."""
 
 
 def regenerate_conversations(conversations: Sequence[Messages], generator: ReplyGenerator) -> list[Messages]:
@@ -263,6 +303,8 @@ def _reply_turn(reply: Reply | str) -> dict:
         turn["token_ids"] = list(reply.token_ids)
     if reply.cut:  # as an OpenAI server says it; training then supervises no end-of-turn token there
         turn["finish_reason"] = "length"
+    if reply.refused:  # reported and not written (regenerate_file)
+        turn[REFUSED] = reply.refused
     return turn
 
 
@@ -279,7 +321,9 @@ def regenerate_file(
 
     Returns counts: `num_done_before` (skipped, already in the output), `num_written`,
     `num_invalid` (input lines skipped: malformed, no prompt, refused by the chat template, or an id
-    already on an earlier line), `num_empty_replies`.
+    already on an earlier line), `num_empty_replies` and `num_refused` (conversations not written,
+    reported by id: a reply came back empty, or the server refused a history; with `on_error="fail"`
+    either stops the run), `num_cut_replies`.
     """
     if on_error not in ("skip", "fail"):
         raise ValueError(f"on_error must be 'skip' or 'fail', got {on_error!r}")
@@ -297,19 +341,18 @@ def regenerate_file(
         "num_done_before": len(done),
         "num_written": 0,
         "num_invalid": num_invalid,
-        "num_empty_replies": 0,
+        "num_empty_replies": 0,  # conversations not written: a reply came back empty
+        "num_refused": 0,  # conversations not written: the server refused a history
+        "num_cut_replies": 0,  # replies cut at the length limit (written, marked finish_reason "length")
     }
     with open(output_path, "a", encoding="utf-8") as out:
         for first in range(0, len(samples), batch_size):
             batch = samples[first : first + batch_size]
             conversations, last_replies = _regenerate([s.messages for s in batch], generator)
+            kept = [i for i, c in enumerate(conversations) if _writable(batch[i], c, counts, on_error)]
             if feature_sink is not None:
-                feature_sink.add([s.id for s in batch], last_replies)
-            for sample, conversation in zip(batch, conversations):
-                empty = sum(
-                    turn["role"] == "assistant" and not turn["content"].strip() for turn in conversation
-                )
-                counts["num_empty_replies"] += empty
+                feature_sink.add([batch[i].id for i in kept], [last_replies[i] for i in kept])
+            for sample, conversation in ((batch[i], conversations[i]) for i in kept):
                 out.write(
                     json.dumps({"id": sample.id, "conversations": conversation}, ensure_ascii=False) + "\n"
                 )
@@ -318,6 +361,24 @@ def regenerate_file(
             os.fsync(out.fileno())
             logger.info("regenerated %d / %d", first + len(batch), len(samples))
     return counts
+
+
+def _writable(sample: Sample, conversation: Messages, counts: dict[str, int], on_error: str) -> bool:
+    """Whether a regenerated conversation is written; one the server refused or with an empty reply
+    (which training refuses) is reported by its id, counted, and not written (a rerun asks again)."""
+    replies = [turn for turn in conversation if turn["role"] == "assistant"]
+    counts["num_cut_replies"] += sum(turn.get("finish_reason") == "length" for turn in replies)
+    refused = next((turn[REFUSED] for turn in replies if REFUSED in turn), None)
+    empty = not refused and any(not turn["content"].strip() for turn in replies)
+    if not (refused or empty):
+        return True
+    key = "num_refused" if refused else "num_empty_replies"
+    counts[key] += 1
+    reason = f"the server refused it: {refused}" if refused else "an empty reply, which training refuses"
+    if on_error == "fail":
+        raise ValueError(f"id {sample.id!r} (line {sample.line_number}): {reason}")
+    logger.warning("id %r (line %d): %s; not written", sample.id, sample.line_number, reason)
+    return False
 
 
 def _length_hint(sample: Sample) -> int:

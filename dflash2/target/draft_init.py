@@ -8,7 +8,8 @@ norm is run on a vector of ones to read the scale it applies, so a `(1 + w)` nor
 layer as a plain `w` one, and a module that is not an elementwise-scaled RMS norm is refused. The
 draft's final norm takes the target's, and `fc` adds the identity on the deepest captured layer's
 slice and `hidden_norm` the first copied layer's input norm, so at step 0 the draft's first layer
-reads that captured layer's state as the target layer reads its input. Draft parameters the target has no
+reads that captured layer's state as the target layer reads its input (its own input when it is the
+layer after the deepest captured one). Draft parameters the target has no
 counterpart for keep their initialisation (a Llama target has no q/k norms; DFlash 2's convs stay
 the identity); the one-line summary says which.
 
@@ -40,6 +41,11 @@ def init_from_target(
     target_layers = target.get_decoder().layers
     n = len(draft.layers)
     ids = list(range(len(target_layers) - n, len(target_layers))) if layer_ids is None else list(layer_ids)
+    if layer_ids is None and n > len(target_layers):
+        raise ValueError(
+            f"the draft has {n} layers, the target {len(target_layers)}: give model.init_target_layers {n} target "
+            f"layer ids (repeats allowed), or {FIX}"
+        )
     if len(ids) != n or not all(0 <= i < len(target_layers) for i in ids):
         raise ValueError(
             f"model.init_target_layers={ids} must name {n} target layer(s) (one per draft layer), each in "
@@ -74,7 +80,7 @@ def init_from_target(
     kept = {name.rpartition(".")[0] for name, _ in draft.layers[0].named_parameters()} - copied
     kept = sorted(name for name in kept if name.rpartition(".")[0] not in kept)  # a module, not its parts
     layers = ", ".join(f"{t} -> {i}" for i, t in enumerate(ids))
-    return (
+    return _rope_note(draft, target_config) + (
         f"draft initialised from the target: layers {layers}, the final norm, fc reading target layer "
         f"{max(draft.target_layer_ids)} through layer {ids[0]}'s input norm"
         + (f"; kept their initialisation: {', '.join(kept)}" if kept else "")
@@ -132,3 +138,20 @@ def _norm_scale(source: nn.Module, weight: torch.Tensor, draft_norm: nn.Module, 
                 f"{name}: the target's {type(source).__name__} is not an RMS norm with a scale; {FIX}"
             )
     return scale
+
+
+def _rope_note(draft: nn.Module, target_config) -> str:
+    """A warning when the copied attention layers will rotate under another RoPE than the target's."""
+    text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+    theirs, ours = (
+        getattr(text, "rope_parameters", None) or {},
+        getattr(draft.config, "rope_parameters", None) or {},
+    )
+    keys = ("rope_type", "rope_theta")
+    if all(theirs.get(k) == ours.get(k) for k in keys):
+        return ""
+    show = lambda p: ", ".join(f"{k} {p.get(k)}" for k in keys)  # noqa: E731
+    return (
+        f"note: the draft's RoPE ({show(ours)}) is not the target's ({show(theirs)}): its copied attention "
+        "layers start under another rotation (set the draft config's rope_theta to the target's); "
+    )
