@@ -182,7 +182,10 @@ def choose_mask_token(target_dir: Path, tokenizer, text: dict, choices: DraftCho
             refuse_reserved(
                 target_dir, tokenizer, choices.mask_token_id, f"--mask-token-id {choices.mask_token_id}"
             )
-        return None, choices.mask_token_id, f"mask token id {choices.mask_token_id} (--mask-token-id)"
+        # its token written too where the tokenizer has one: servers that look the mask up by token
+        # (by default '<|MASK|>') then find this id
+        token = _token_of(tokenizer, choices.mask_token_id)
+        return token, choices.mask_token_id, f"mask token id {choices.mask_token_id} (--mask-token-id)"
     if tokenizer is None:
         raise ValueError(
             f"{target_dir} has no tokenizer: pass --mask-token-id (an id the target never emits), or "
@@ -204,7 +207,7 @@ def choose_mask_token(target_dir: Path, tokenizer, text: dict, choices: DraftCho
         )
     own = getattr(tokenizer, "mask_token", None)
     if own is not None and own in vocab and usable_mask(target_dir, tokenizer, own, vocab[own]):
-        return None, vocab[own], f"mask token {own!r} (id {vocab[own]}): the tokenizer's own mask token"
+        return own, vocab[own], f"mask token {own!r} (id {vocab[own]}): the tokenizer's own mask token"
     for token_id, token in unused_special_tokens(target_dir, tokenizer, text):
         note = (
             f"mask token {token!r} (id {token_id}): the tokenizer's first added special token that is "
@@ -227,6 +230,13 @@ def reserved_ids(target_dir: Path, tokenizer) -> set[int]:
     target = SimpleNamespace(config=AutoConfig.from_pretrained(target_dir), generation_config=generation)
     ids = {tokenizer.bos_token_id, tokenizer.pad_token_id, tokenizer.unk_token_id}
     return set(stop_token_ids(tokenizer, target)) | (ids - {None})
+
+
+def _token_of(tokenizer, token_id: int) -> str | None:
+    """The token string of `token_id`, or None without a tokenizer or past its vocabulary."""
+    if tokenizer is None or token_id >= len(tokenizer):
+        return None
+    return tokenizer.convert_ids_to_tokens(token_id)
 
 
 def refuse_reserved(target_dir: Path, tokenizer, token_id: int, given: str) -> None:

@@ -170,6 +170,19 @@ def test_no_unused_special_token_is_refused_naming_mask_token(tiny_default, tmp_
     assert (cfg["dflash_config"]["mask_token"], cfg["dflash_config"]["mask_token_id"]) == ("<|mask|>", 3)
 
 
+def test_the_mask_token_is_written_by_name_wherever_the_tokenizer_has_it(tiny_default, tmp_path, capsys):
+    """Servers that look the mask up by token (by default '<|MASK|>', which the tiny tokenizer lacks)
+    then find the id the draft was trained with."""
+    tokenizer = draft_config.load_tokenizer(tiny_default.target_dir)
+    own, _ = generate(capsys, tiny_default.target_dir, "DFlash2DraftModel", tmp_path / "own.json")
+    assert (own["dflash_config"]["mask_token"], own["dflash_config"]["mask_token_id"]) == ("<|mask|>", 3)
+    by_id, _ = generate(
+        capsys, tiny_default.target_dir, "DFlashDraftModel", tmp_path / "id.json", "--mask-token-id", "5"
+    )
+    assert by_id["dflash_config"]["mask_token"] == tokenizer.convert_ids_to_tokens(5)
+    check_draft_config(by_id, tokenizer=tokenizer, target_config=tiny_default.target_dir)
+
+
 def test_a_tokenizer_mask_token_the_target_stops_on_is_passed_over(tiny_default, tmp_path, capsys):
     target = tmp_path / "target"
     shutil.copytree(tiny_default.target_dir, target)
