@@ -60,7 +60,10 @@ def test_shipped_configs_are_canonical_and_valid(path):
     assert normalize_draft_config(cfg) == cfg  # already canonical: nothing to move or fill
 
 
-def test_tiny_config_mask_token_matches_tokenizer(v2):
+def test_tiny_config_mask_token_matches_tokenizer(v2, tiny_default):
+    assert v2["dflash_config"]["mask_token"] == "<|mask|>"  # by name and by id: the tiny tokenizer's
+    assert validate_draft_config(v2, tokenizer=tiny_default.target_dir) == []
+    del v2["dflash_config"]["mask_token"]  # by id alone: the id of the tokenizer's mask token
     assert validate_draft_config(v2, tokenizer=make_tokenizer(3)) == []
 
 
@@ -415,6 +418,7 @@ def test_targets_that_scale_logits_or_embeddings_are_refused(v2, config_class, m
 
 
 def test_validation_against_tokenizer(v2):
+    del v2["dflash_config"]["mask_token"]  # the id alone, against a tokenizer of other tokens
     tokenizer = make_tokenizer(mask_id=5)
     problems = validate_draft_config(v2, tokenizer=tokenizer)
     assert any("tokenizer's mask token '<|MASK|>' has id 5" in p for p in problems), problems

@@ -163,13 +163,14 @@ def test_a_draft_deeper_than_the_target_names_the_setting_to_give(targets):
 def test_a_draft_under_another_rope_than_the_target_is_named(targets):
     target_dir = targets["llama"]
     cfg, _ = build_draft_config(target_dir, DraftChoices(num_layers=1, block_size=4))
-    assert init_from_target(build_draft(cfg), target_dir, AutoConfig.from_pretrained(target_dir)).startswith(
-        "draft initialised"
-    )  # the same RoPE: nothing to say
+    assert "RoPE" not in init_from_target(
+        build_draft(cfg), target_dir, AutoConfig.from_pretrained(target_dir)
+    )
     theta = cfg["rope_parameters"]["rope_theta"] * 100
     cfg["rope_parameters"]["rope_theta"] = cfg["rope_theta"] = theta
     summary = init_from_target(build_draft(cfg), target_dir, AutoConfig.from_pretrained(target_dir))
-    assert summary.startswith(f"note: the draft's RoPE (rope_type default, rope_theta {theta})")
+    assert summary.startswith("draft initialised from the target: layers ")
+    assert f"; note: the draft's RoPE (rope_type default, rope_theta {theta}) is not the target's" in summary
 
 
 def test_layers_without_the_switch_are_a_config_conflict():

@@ -450,7 +450,7 @@ def test_a_draft_tokenizer_mask_token_mismatch_names_both(tmp_path, tiny_default
     assert main(["--check", str(tmp_path / "hf"), "--tokenizer", target]) == 1
     out = capsys.readouterr().out
     assert (
-        "mask token '<|mask|>' has id 3" in out
+        "mask_token_id=5 but the tokenizer maps mask_token '<|mask|>' to 3" in out
         and f"(draft {tmp_path / 'hf' / 'config.json'}, tokenizer {target})" in out
     )
     with pytest.raises(ValueError, match=r"tokenizer .*tiny/target\)"):

@@ -80,10 +80,11 @@ def init_from_target(
     kept = {name.rpartition(".")[0] for name, _ in draft.layers[0].named_parameters()} - copied
     kept = sorted(name for name in kept if name.rpartition(".")[0] not in kept)  # a module, not its parts
     layers = ", ".join(f"{t} -> {i}" for i, t in enumerate(ids))
-    return _rope_note(draft, target_config) + (
+    return (
         f"draft initialised from the target: layers {layers}, the final norm, fc reading target layer "
         f"{max(draft.target_layer_ids)} through layer {ids[0]}'s input norm"
         + (f"; kept their initialisation: {', '.join(kept)}" if kept else "")
+        + _rope_note(draft, target_config)
     )
 
 
@@ -152,6 +153,6 @@ def _rope_note(draft: nn.Module, target_config) -> str:
         return ""
     show = lambda p: ", ".join(f"{k} {p.get(k)}" for k in keys)  # noqa: E731
     return (
-        f"note: the draft's RoPE ({show(ours)}) is not the target's ({show(theirs)}): its copied attention "
-        "layers start under another rotation (set the draft config's rope_theta to the target's); "
+        f"; note: the draft's RoPE ({show(ours)}) is not the target's ({show(theirs)}): its copied attention "
+        "layers start under another rotation (set the draft config's rope_theta to the target's)"
     )
