@@ -16,6 +16,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -233,13 +234,42 @@ def _state_and_config(
     return strip_model_prefix(state), config
 
 
+# What an export directory holds: its config, its weights (one file, or an index and its shards)
+# and the record of its training run. An existing out_dir with anything else is not replaced.
+EXPORT_FILE = re.compile(
+    r"(config\.json|training_run\.json|model(-\d+-of-\d+)?\.safetensors(\.index\.json)?)"
+)
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """Refuse to replace a directory that is not an export (a run directory, a checkpoint: the export
+    replaces its directory whole)."""
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise ValueError(f"out_dir {out_dir} is a file; give a directory for the export")
+    others = sorted(p.name for p in out_dir.iterdir() if not EXPORT_FILE.fullmatch(p.name))
+    if others:
+        raise ValueError(
+            f"out_dir {out_dir} holds more than an export ({', '.join(others[:4])}"
+            f"{', ...' if len(others) > 4 else ''}), and an export replaces its directory whole: give a new "
+            f"or empty directory, such as {out_dir / 'export'}"
+        )
+
+
 def _replace_dir(tmp: Path, out_dir: Path) -> None:
-    """Move the finished export into place; an old export there is replaced only after that succeeds."""
+    """Move the finished export into place; an old export there is replaced only after that succeeds,
+    and put back if the move fails."""
     old = None
     if out_dir.exists():
         old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
         os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
+    try:
+        os.replace(tmp, out_dir)
+    except OSError:
+        if old is not None:
+            os.replace(old, out_dir)
+        raise
     if old is not None:
         shutil.rmtree(old)
 
@@ -286,11 +316,24 @@ def export_draft(
         raise ValueError("export refused:\n  " + "\n  ".join(problems))
 
     out_dir = Path(out_dir)
+    check_out_dir(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
+    for leftover in out_dir.parent.glob(f".{out_dir.name}.tmp-*"):  # of an export that was killed
+        shutil.rmtree(leftover, ignore_errors=True)
     tmp = out_dir.with_name(f".{out_dir.name}.tmp-{os.getpid()}")
-    if tmp.exists():
-        shutil.rmtree(tmp)
     tmp.mkdir()
+    try:
+        _write_export(tmp, state, cfg, dtype, training_run)
+        problems = check_export(tmp, tokenizer=tokenizer, target_config=target_config)
+        if problems:
+            raise ValueError("export failed its own check:\n  " + "\n  ".join(problems))
+        _replace_dir(tmp, out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # a failed write leaves nothing behind
+    return out_dir
+
+
+def _write_export(tmp: Path, state: dict, cfg: dict, dtype: torch.dtype, training_run: dict | None) -> None:
     tensors = {name: t.detach().to("cpu", dtype).clone().contiguous() for name, t in state.items()}
     save_tensors(tensors, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
     with open(tmp / CONFIG_NAME, "w") as f:
@@ -298,12 +341,6 @@ def export_draft(
         f.write("\n")
     if training_run is not None:
         (tmp / TRAINING_RUN_NAME).write_text(json.dumps(training_run, indent=2, sort_keys=True) + "\n")
-    problems = check_export(tmp, tokenizer=tokenizer, target_config=target_config)
-    if problems:
-        shutil.rmtree(tmp)
-        raise ValueError("export failed its own check:\n  " + "\n  ".join(problems))
-    _replace_dir(tmp, out_dir)
-    return out_dir
 
 
 def source_training_run(path: str | Path) -> dict | None:

@@ -137,7 +137,13 @@ def train_overrides(
 
 
 def decode_check(
-    export_dir: Path, target, tokenizer, sample: dict, max_new_tokens: int, template_kwargs
+    export_dir: Path,
+    target,
+    tokenizer,
+    sample: dict,
+    max_new_tokens: int,
+    template_kwargs,
+    max_length: int | None = None,
 ) -> dict:
     """Reload the export, decode the sample's prompt with speculative decoding, compare with the
     target's own greedy reply. Returns the decode fields of the result, `errors` and `warnings`.
@@ -155,6 +161,12 @@ def decode_check(
         "errors": [],
         "warnings": label_check(sample, prompt, reference, tokenizer, template_kwargs),
     }
+    rendered = len(render_with_token_ids(sample["conversations"], tokenizer, template_kwargs)[0])
+    if max_length is not None and rendered > max_length:  # its end was never trained: say so first
+        result["errors"].append(
+            f"the gate's sample renders to {rendered} tokens, more than data.max_length={max_length}: the "
+            f"reply past the cut was never trained; rerun with data.max_length={rendered} (or --max-new-tokens lower)"
+        )
     # The prefill gives one token, each fully accepted verify step one block.
     num_blocks = (len(reference) - 1) // block_size
     if num_blocks == 0:
@@ -199,9 +211,10 @@ def judge(result: dict) -> None:
         result["errors"].append(
             f"spec_accept_length {result['spec_accept_length']:.3f} < block_size {block_size}"
         )
-    if result["target_prefix_match_tokens"] < block_size:
+    if result["target_prefix_match_tokens"] < result["generated_tokens"]:
         result["errors"].append(
-            f"target_prefix_match_tokens {result['target_prefix_match_tokens']} < block_size {block_size}"
+            f"the output differs from the target's own reply after {result['target_prefix_match_tokens']} of "
+            f"{result['generated_tokens']} tokens"
         )
     result["passed"] = not result["errors"]
     if not result["passed"]:
@@ -308,7 +321,7 @@ def run_stages(
     metrics = _timed(result, "train", run, cfg)
     result["train_final_metrics"] = {k: float(v) for k, v in (metrics or {}).items()}
     decode = (gate_dir / "export", target, tokenizer, samples[0], max_new_tokens, template_kwargs)
-    decoded = _timed(result, "decode", decode_check, *decode)
+    decoded = _timed(result, "decode", decode_check, *decode, cfg.data.max_length)
     result["errors"] += decoded.pop("errors")
     result.update(decoded)
 

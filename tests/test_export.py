@@ -495,3 +495,30 @@ def test_check_lists_a_dflash_config_that_is_not_an_object(tmp_path, value):
     result = run_cli("--check", tmp_path / "bad")  # a TypeError traceback before
     assert result.returncode != 0 and "Traceback" not in result.stderr, result.stderr
     assert "dflash_config" in result.stdout + result.stderr
+
+
+def test_an_export_replaces_only_an_export_and_a_failed_write_leaves_nothing(tmp_path, monkeypatch):
+    """Before: `python -m dflash2.export <ckpt> <run dir>` replaced the whole run directory
+    (checkpoints, logs) with the export, and a failed write left its temporary directory."""
+    import errno
+
+    import dflash2.export as export_module
+
+    draft = build_draft(load_config_dict(TINY_V2))
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step_00000004").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(ValueError, match=r"holds more than an export \(checkpoints, metrics.jsonl\)"):
+        export_draft(draft, run, dtype=torch.float32)
+    assert (run / "checkpoints" / "step_00000004").is_dir() and (run / "metrics.jsonl").is_file()
+    first = export_draft(draft, run / "export", dtype=torch.float32)
+    export_draft(draft, first, dtype=torch.float32)  # an earlier export is replaced
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(export_module, "save_tensors", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        export_draft(draft, first, dtype=torch.float32)
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "export", "metrics.jsonl"]
+    assert load_draft(first) is not None  # the previous export, whole

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash2.serving_gate import select_samples
+from dflash2.serving_gate import run_gate, select_samples
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 REQUIRED_KEYS = {
@@ -205,7 +205,7 @@ def test_a_gate_that_failed_because_its_overfit_fell_short_says_so():
         metrics = {"insample_accept_len_selector": insample, "insample_accept_len_max": 3.983, "loss": 1.066}
         return {
             "block_size": 4, "acceptance_lengths": [4, 3], "spec_accept_length": 3.0, "steps": 60,
-            "target_prefix_match_tokens": 8, "errors": [], "train_final_metrics": metrics,
+            "target_prefix_match_tokens": 8, "generated_tokens": 8, "errors": [], "train_final_metrics": metrics,
         }  # fmt: skip
 
     short = result(3.362)
@@ -218,3 +218,31 @@ def test_a_gate_that_failed_because_its_overfit_fell_short_says_so():
     memorised = result(3.983)  # trained to its sample: a serving failure, nothing added
     judge(memorised)
     assert memorised["errors"] == ["spec_accept_length 3.000 < block_size 4"]
+
+
+def test_the_gate_fails_an_output_that_leaves_the_targets_reply_even_at_full_acceptance():
+    """Before: a decode that accepted every block but committed other tokens after the first block
+    passed (it asked for block_size matching tokens, not all of them)."""
+    from dflash2.serving_gate import judge
+
+    result = {
+        "block_size": 8, "acceptance_lengths": [8, 8, 8], "spec_accept_length": 8.0,
+        "target_prefix_match_tokens": 9, "generated_tokens": 25, "errors": [],
+    }  # fmt: skip
+    judge(result)
+    assert not result["passed"]
+    assert result["errors"] == ["the output differs from the target's own reply after 9 of 25 tokens"]
+
+
+def test_a_gate_sample_cut_by_max_length_names_it(tiny_default, tmp_path):
+    """The reply past data.max_length is never trained: the failure says so, not 'look at the serving
+    path'."""
+    result = run_gate(
+        REPO_ROOT / "configs" / "tiny-dflash2.yaml",
+        tiny_default.train_jsonl,
+        steps=5,
+        overrides=[f"model.target={tiny_default.target_dir}", f"output_dir={tmp_path}", "data.max_length=30"],
+    )
+    assert not result["passed"]
+    assert result["errors"][0].startswith("the gate's sample renders to ")
+    assert "more than data.max_length=30" in result["errors"][0]
