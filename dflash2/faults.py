@@ -115,7 +115,8 @@ def write_stop_marker(output_dir: str | Path, step: int, checkpoint: Path | None
         "step": step,
         "trained": step - start_step,
         "checkpoint": str(checkpoint) if checkpoint else None,
-        "signal": stop_request.describe(),
+        # the signal this rank got, or (as the console says) another rank's request
+        "signal": stop_request.describe() if stop_request.signal_name else "another rank's stop request",
     }
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(record) + "\n")

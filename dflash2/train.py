@@ -32,7 +32,7 @@ from dflash2.data.loader import StepBatch, anchor_generators, collate, step_batc
 from dflash2.distributed import Backend
 from dflash2.errors import ReportedError
 from dflash2.export import export_draft
-from dflash2.faults import collective_section, stop_request, write_stop_marker
+from dflash2.faults import collective_section, stop_marker, stop_request, write_stop_marker
 from dflash2.hardware import warn_if_slow_bf16
 from dflash2.models import TargetHead, build_draft
 from dflash2.objective import ObjectiveConfig, compute_objective, plan_blocks, supervised_mask
@@ -354,6 +354,8 @@ def _fit(setup: Setup, timer: StepTimer | None, stop_vote: Callable[[], bool] | 
     backend, t = setup.backend, setup.cfg.train
     timer = timer or StepTimer(backend.device)
     stop_request.stopped = False  # an earlier fit's in this process
+    if backend.is_main:  # an earlier launch's stop, now being resumed: a marker says this launch's only
+        stop_marker(setup.plan.run_dir).unlink(missing_ok=True)
     state = _resume(setup)
     start = state.step
     if start > t.last_step and backend.is_main:  # at it exactly: the run is done, and says so at its end

@@ -202,9 +202,15 @@ def test_a_launch_that_stops_before_its_first_save_leaves_logs_and_checkpoints_i
 
 
 def test_a_fresh_run_stopped_before_its_first_step_says_it_has_no_checkpoint(overrides, tmp_path, capsys):
+    import json
+
     dflash2.fit(setup_of(overrides, tmp_path / "run"), stop_vote=lambda: True)
     out = capsys.readouterr().out
     assert "after step 0 of 2: no checkpoint yet; run the same command again to start" in out, out
+    marker = json.loads((tmp_path / "run" / STOP_MARKER).read_text())
+    assert marker["signal"] == "another rank's stop request"  # before: "no signal"
+    dflash2.fit(setup_of(overrides, tmp_path / "run"))  # the same command, run to its end
+    assert not (tmp_path / "run" / STOP_MARKER).exists()  # before: the earlier stop's marker stayed
 
 
 def test_a_diverged_step_is_logged_and_stops_the_run_naming_it(overrides, tmp_path, monkeypatch):

@@ -325,3 +325,48 @@ def test_every_missing_path_and_a_setting_that_would_be_ignored_are_named_at_onc
         monkeypatch, capsys, "launch/train.py", arguments
     )  # the features went unread before
     assert_one_message(code, stderr, "with topology=disaggregated", "topology=colocated")
+
+
+STOP_SCRIPT = """
+import os, signal, sys, time
+code = int(sys.argv[1])
+signal.signal(signal.SIGTERM, lambda *args: sys.exit(code))
+open(os.path.join(sys.argv[2], "up" + os.environ["RANK"]), "w").write(str(os.getpid()))
+while True:
+    time.sleep(0.1)
+"""
+
+
+@pytest.mark.parametrize("worker_code", [75, 1], ids=["stopped", "failed"])
+def test_after_a_forwarded_signal_the_launcher_exits_with_its_workers_code(tmp_path, worker_code):
+    """Before: 75 ("stopped, run again to resume") whatever the workers did, even when writing their
+    checkpoint failed."""
+    import os
+    import signal
+    import time
+
+    script = tmp_path / "worker.py"
+    script.write_text(STOP_SCRIPT)
+    launcher = [sys.executable, str(REPO / "launch" / "torchrun.py"), "--standalone", "--nproc_per_node=2"]
+    command = [*launcher, str(script), str(worker_code), str(tmp_path)]
+    proc = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"up{rank}").exists() for rank in (0, 1)):
+            assert time.monotonic() < deadline and proc.poll() is None, "the workers did not start"
+            time.sleep(0.2)
+        os.kill(proc.pid, signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for up in tmp_path.glob("up*"):  # workers run in their own sessions: never leave one behind
+            pid = int(up.read_text() or -1)
+            if pid > 0:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    assert proc.returncode == worker_code, stderr[-3000:]
+    said = "they stopped with a checkpoint" if worker_code == 75 else "they failed (exit codes [1, 1])"
+    assert f"[dflash2] launcher: SIGTERM forwarded to the workers; {said}" in stderr, stderr[-3000:]
