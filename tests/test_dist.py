@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -108,6 +110,9 @@ def runs(target_dir, ds_configs, load_targets, tmp_path_factory):
     return get
 
 
+TORCH_ABORT = "terminate called without an active exception"
+
+
 def launch_pair(
     backend: str,
     nproc: int,
@@ -122,6 +127,16 @@ def launch_pair(
     common += ["--precision", precision] + (["--ds-config", str(ds_config)] if ds_config else [])
     first_args = ["--out", str(base / "first"), "--steps", str(STEPS), "--save-at", str(SAVE_AT)]
     first = launch(nproc, [*common, *first_args, "--compare-load", *map(str, compare_load)])
+    if first.returncode != 0 and TORCH_ABORT in first.stderr:
+        # A worker aborted inside torch's C++ runtime (seen in 2 of 5 full suite runs on one day,
+        # never alone, cause not found): said here, then launched once more from nothing. A second
+        # abort fails the test.
+        warnings.warn(
+            f"{backend} x {nproc}: a worker aborted ({TORCH_ABORT!r}); launching again", stacklevel=2
+        )
+        shutil.rmtree(base / "first", ignore_errors=True)
+        shutil.rmtree(base / "run", ignore_errors=True)
+        first = launch(nproc, [*common, *first_args, "--compare-load", *map(str, compare_load)])
     check_ok(first)
     resumed = None
     if nproc == 2:
@@ -406,6 +421,7 @@ def test_fsdp2_bf16_keeps_the_selectors_fp32_unary_logits(tmp_path):
 
 DS_COMM_SCRIPT = """
 import sys
+import warnings
 sys.path.insert(0, {repo!r})
 from dflash2.config import OptimConfig
 from dflash2.distributed.env import build_backend, init_distributed
