@@ -17,12 +17,12 @@ import json
 import logging
 from pathlib import Path
 
-from dflash2.config import require_path
+from dflash2.config import require_path, torch_dtype
 from dflash2.data.regenerate import LocalTargetGenerator, ServerGenerator, regenerate_file
 from dflash2.errors import add_debug_flag, exit_process, run_main
 
-# --dtype: the run configs' names (precision) and torch's, for the torch dtype of each
-DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32"}
+# --dtype: the run configs' precision names, and torch's for the same dtypes
+DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp32": "fp32", "float32": "fp32"}
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -110,10 +110,9 @@ def _local_target(args: argparse.Namespace, dtype):
 
 
 def _local_generator(args: argparse.Namespace) -> LocalTargetGenerator:
-    import torch
     from transformers import AutoTokenizer
 
-    model = _local_target(args, args.dtype if args.dtype == "auto" else getattr(torch, DTYPES[args.dtype]))
+    model = _local_target(args, args.dtype if args.dtype == "auto" else torch_dtype(DTYPES[args.dtype]))
     tokenizer = AutoTokenizer.from_pretrained(args.target)
     return LocalTargetGenerator(model, tokenizer, args.max_new_tokens, args.chat_template_kwargs)
 
@@ -132,7 +131,7 @@ def _regenerate_and_capture(args: argparse.Namespace) -> dict:
             "must be the target's the run trains with: pass the same directory (or override model.target=...)"
         )
     dtype = cfg.target_torch_dtype
-    if args.dtype != "auto" and DTYPES[args.dtype] != str(dtype).removeprefix("torch."):
+    if args.dtype != "auto" and torch_dtype(DTYPES[args.dtype]) != dtype:
         raise ValueError(
             f"--dtype {args.dtype} is not the run's target dtype ({dtype}, from precision / model.target_dtype); "
             "leave --dtype out with --capture-config"

@@ -100,7 +100,9 @@ def exit_process(code: int) -> NoReturn:
 def job_exit_code(worker_codes: list[int]) -> int:
     """A launcher's exit code from its failed workers' codes (negative: ended by that signal): 75 when
     the workers stopped on a signal, 2 when they met a user error (in both cases workers still exiting
-    after the first one may have been ended by the launcher), else 1."""
+    after the first one may have been ended by the launcher), 0 when every worker finished, else 1."""
+    if all(code == 0 for code in worker_codes):
+        return 0
     for code in (EXIT_STOPPED, EXIT_USER_ERROR):
         if code in worker_codes and all(c == code or c < 0 for c in worker_codes):
             return code

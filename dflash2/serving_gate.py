@@ -155,13 +155,14 @@ def decode_check(
     prompt = encode_prompt(prompt_turns(sample["conversations"]), tokenizer, template_kwargs)
     stop_ids = stop_token_ids(tokenizer, target)
     reference = target_generate(target, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids)
+    ids, _, _ = render_with_token_ids(sample["conversations"], tokenizer, template_kwargs)
     result = {
         "block_size": block_size,
         "target_tokens": len(reference),
         "errors": [],
-        "warnings": label_check(sample, prompt, reference, tokenizer, template_kwargs),
+        "warnings": label_check(ids, prompt, reference),
     }
-    rendered = len(render_with_token_ids(sample["conversations"], tokenizer, template_kwargs)[0])
+    rendered = len(ids)
     if max_length is not None and rendered > max_length:  # its end was never trained: say so first
         result["errors"].append(
             f"the gate's sample renders to {rendered} tokens, more than data.max_length={max_length}: the "
@@ -188,13 +189,10 @@ def decode_check(
     return result
 
 
-def label_check(
-    sample: dict, prompt_ids: list[int], reference: list[int], tokenizer, template_kwargs
-) -> list[str]:
+def label_check(ids: list[int], prompt_ids: list[int], reference: list[int]) -> list[str]:
     """Warn when the training labels of the first reply are not the target's own tokens (data without
     the target's ids whose text re-tokenizes differently); the gate can still pass, but such data
     trains the wrong thing."""
-    ids, _, _ = render_with_token_ids(sample["conversations"], tokenizer, template_kwargs)
     labels = ids[len(prompt_ids) : len(prompt_ids) + len(reference)]
     if ids[: len(prompt_ids)] != prompt_ids or labels != reference:
         return ["the rendered training sample does not contain the target's greedy tokens after the prompt"]

@@ -21,14 +21,13 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-import yaml
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "launch"))
 
 import demo  # noqa: E402  (launch/demo.py: the stages both demos run)
 
+from dflash2.config import load_run_config  # noqa: E402
 from dflash2.data.real_prompts import build_real_prompts  # noqa: E402
 from dflash2.draft_config import DraftChoices, build_draft_config  # noqa: E402
 from dflash2.export import read_training_run  # noqa: E402
@@ -301,6 +300,18 @@ def _field(tree: dict, dotted: str):
     return tree
 
 
+def _differences(old: dict, new: dict, prefix: str = "") -> dict[str, tuple]:
+    """dotted key -> (old value, new value) wherever two nested dicts differ."""
+    found = {}
+    for key in old.keys() | new.keys():
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            found.update(_differences(a, b, f"{prefix}{key}."))
+        elif a != b:
+            found[f"{prefix}{key}"] = (a, b)
+    return found
+
+
 def reused_drafts(args: argparse.Namespace, out: Path, draft_configs: dict[str, Path]) -> dict[str, Path]:
     """--reuse-drafts: the exports under --out, refused unless they were trained with this command's
     recipe (--steps, the draft configs its flags make, --precision and every --train override), so
@@ -323,11 +334,14 @@ def reused_drafts(args: argparse.Namespace, out: Path, draft_configs: dict[str, 
             for field in RECIPE_FIELDS
             if _field(trained, field) != _field(asked, field)
         ]
-        run_config = yaml.safe_load((out / name / "config.yaml").read_text())
-        for key, value in [("precision", args.precision), *(item.split("=", 1) for item in args.train)]:
-            wanted = yaml.safe_load(value) if isinstance(value, str) else value
-            if _field(run_config, key) != wanted:
-                problems.append(f"{name} trained with {key}={_field(run_config, key)!r}, not {wanted!r}")
+        # the run config it trained with, and the same with this command's settings applied as a launch
+        # applies them (1e-3 a float, null None, ...)
+        trained_with = load_run_config(out / name / "config.yaml")
+        asked_for = load_run_config(out / name / "config.yaml", [f"precision={args.precision}", *args.train])
+        problems += [
+            f"{name} trained with {key}={old!r}, not {new!r}"
+            for key, (old, new) in _differences(trained_with.model_dump(), asked_for.model_dump()).items()
+        ]
     if problems:
         raise SystemExit(
             "--reuse-drafts: the drafts there were trained with another recipe: "

@@ -54,7 +54,7 @@ def stopped_exit_code(signal_name: str) -> int:
             file=sys.stderr,
         )
         return EXIT_FAILED
-    code = 0 if all(c == 0 for c in codes) else job_exit_code(codes)
+    code = job_exit_code(codes)
     how = {EXIT_STOPPED: "they stopped with a checkpoint", 0: "they had finished"}
     print(
         f"[dflash2] launcher: {signal_name} forwarded to the workers; "

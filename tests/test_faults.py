@@ -378,6 +378,7 @@ def test_a_process_that_sets_rank_itself_ends_no_sibling_and_keeps_running_witho
 
 
 def test_launcher_exit_code_is_the_workers():
+    assert job_exit_code([0, 0]) == 0  # every worker finished (a signal that came as they ended)
     assert job_exit_code([EXIT_STOPPED, EXIT_STOPPED]) == EXIT_STOPPED
     assert job_exit_code([EXIT_STOPPED, -signal.SIGTERM]) == EXIT_STOPPED  # ended while exiting
     assert job_exit_code([EXIT_USER_ERROR, EXIT_USER_ERROR]) == EXIT_USER_ERROR

@@ -143,6 +143,8 @@ def test_the_real_demo_reuses_only_drafts_of_the_recipe_asked(tmp_path):
     """--reuse-drafts: the summary records the command's recipe, so the drafts must have it."""
     import argparse
 
+    from dflash2.config import load_run_config, save_run_config
+
     demo_real = load_script("launch/demo_real.py")
     draft = {
         "architectures": ["X"],
@@ -154,10 +156,15 @@ def test_the_real_demo_reuses_only_drafts_of_the_recipe_asked(tmp_path):
         (tmp_path / name / "export").mkdir(parents=True)
         (tmp_path / name / "export" / "config.json").write_text(json.dumps(draft))
         (tmp_path / name / "export" / "training_run.json").write_text(json.dumps({"step": 10}))
-        (tmp_path / name / "config.yaml").write_text("precision: bf16\nobjective:\n  num_anchors: 64\n")
+        trained = ["precision=bf16", "objective.num_anchors=64", "train.lr=0.001"]
+        save_run_config(
+            load_run_config(demo_real.REPO / demo_real.CONFIGS[name], trained),
+            tmp_path / name / "config.yaml",
+        )
         configs[name] = tmp_path / f"{name}.json"
         configs[name].write_text(json.dumps(draft))
-    args = argparse.Namespace(steps=10, precision="bf16", train=["objective.num_anchors=64"])
+    # the overrides read as a launch reads them: 1e-3 is the float the run trained with
+    args = argparse.Namespace(steps=10, precision="bf16", train=["objective.num_anchors=64", "train.lr=1e-3"])
     assert demo_real.reused_drafts(args, tmp_path, configs) == {
         n: tmp_path / n / "export" for n in demo_real.CONFIGS
     }

@@ -19,9 +19,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-if TYPE_CHECKING:
-    from dflash2.config import RunConfig
-
 from dflash2.config import BACKENDS, PRECISIONS, OptimConfig, Precision, RunConfig, torch_dtype
 from dflash2.distributed import state_io
 from dflash2.optim import continue_schedule
