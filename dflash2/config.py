@@ -31,11 +31,10 @@ def torch_dtype(precision: Precision):
 class BackendEntry:
     """A distribution backend: its `Backend` subclass as "module:Class" (imported only when chosen,
     dflash2.distributed.registry), the run-config keys naming files it reads, with what they are,
-    the precisions it trains in, and whether it runs in one process only (checked with the config)."""
+    and whether it runs in one process only (checked with the config)."""
 
     cls: str
     files: tuple[tuple[str, str], ...] = ()
-    precisions: tuple[str, ...] = PRECISIONS
     one_process: bool = False
 
 
@@ -46,9 +45,7 @@ BACKENDS = {
         (("ds_config", "a DeepSpeed JSON (e.g. ds_configs/zero3.json)"),),
     ),
     "fsdp": BackendEntry("dflash2.distributed.fsdp_backend:FSDPBackend"),
-    "local": BackendEntry(
-        "dflash2.distributed.local_backend:LocalBackend", precisions=("fp32",), one_process=True
-    ),
+    "local": BackendEntry("dflash2.distributed.local_backend:LocalBackend", one_process=True),
 }
 BackendName = Literal[tuple(BACKENDS)]
 
@@ -233,21 +230,13 @@ class RunConfig(_Section):
                 f"backend={self.backend} runs in one process; topology=disaggregated needs capture ranks "
                 f"and trainer ranks: use {sharded_backends()}"
             )
-        if self.precision not in entry.precisions:
-            raise ValueError(
-                f"backend={self.backend} trains in {' or '.join(entry.precisions)} only, got "
-                f"precision={self.precision}: set precision={entry.precisions[0]} (model.target_dtype may "
-                f"still name another dtype for the target), or train {self.precision} with {sharded_backends()}"
-            )
         return self
 
 
 def sharded_backends() -> str:
-    """The backends a run of any number of processes and either precision may name, as a refusal
-    names them: `backend=deepspeed or backend=fsdp`."""
-    names = [
-        name for name, entry in BACKENDS.items() if not entry.one_process and entry.precisions == PRECISIONS
-    ]
+    """The backends a run of any number of processes may name, as a refusal names them:
+    `backend=deepspeed or backend=fsdp`."""
+    names = [name for name, entry in BACKENDS.items() if not entry.one_process]
     return " or ".join(f"backend={name}" for name in names)
 
 

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from dflash2.config import BACKENDS, RunConfig, check_model_paths, load_run_config, require_path
+from dflash2.config import RunConfig, check_model_paths, load_run_config, require_path
 from dflash2.data.jsonl import SampleError, iter_lines, parse_sample, prompt_turns
 from dflash2.data.regenerate import LocalTargetGenerator, regenerate_conversations
 from dflash2.data.render import encode_prompt, render_with_token_ids, stop_token_ids
@@ -115,11 +115,9 @@ def train_overrides(
     steps: int,
     num_samples: int,
     user: Sequence[str],
-    precision: str,
 ) -> list[str]:
     """Gate defaults, then the user's overrides, then what the gate must control. The gate trains in
-    one process: `backend=local` where it takes the run's precision (fp32), else FSDP2 over one rank."""
-    backend = "local" if precision in BACKENDS["local"].precisions else "fsdp"
+    one process, with `backend=local`."""
     forced = [
         f"output_dir={gate_dir}",
         f"data.train={data_path}",
@@ -133,7 +131,7 @@ def train_overrides(
         "topology=colocated",
         "capture_ranks=0",
     ]
-    return [f"backend={backend}", *GATE_OVERRIDES, f"train.warmup_steps={min(10, steps)}", *user, *forced]
+    return ["backend=local", *GATE_OVERRIDES, f"train.warmup_steps={min(10, steps)}", *user, *forced]
 
 
 def decode_check(
@@ -314,7 +312,7 @@ def run_stages(
     samples = _timed(result, "regenerate", regenerate_samples, *regenerate)
     data_path = gate_dir / DATA_NAME
     data_path.write_text("".join(json.dumps(s, ensure_ascii=False) + "\n" for s in samples))
-    gate_overrides = train_overrides(gate_dir, data_path, steps, len(samples), overrides, base.precision)
+    gate_overrides = train_overrides(gate_dir, data_path, steps, len(samples), overrides)
     cfg = load_run_config(config_path, gate_overrides)
     metrics = _timed(result, "train", run, cfg)
     result["train_final_metrics"] = {k: float(v) for k, v in (metrics or {}).items()}

@@ -269,9 +269,9 @@ def train_drafts(
         overrides = (f"data.features_dir={features}", f"data.max_length={args.max_length}")
         overrides += (f"model.target={target_dir}",)
         overrides += (f"precision={args.precision}", "model.target_dtype=null")
-        # one process each: in fp32 the local backend's plain tensors (FSDP2 over one rank costs
-        # 7-16% a step; docs/training.md, "Performance"); bf16 needs FSDP2's mixed precision
-        overrides += ("backend=local",) if args.precision == "fp32" else ()
+        # one process each: the local backend's plain tensors (FSDP2 over one rank costs 7-16% a
+        # step; docs/training.md, "Performance")
+        overrides += ("backend=local",)
         overrides += (f"model.draft_config={draft_configs[name]}", *args.train)
         shutil.rmtree(out / name / "export", ignore_errors=True)  # never a stale export of an earlier run
         return demo.train(name, CONFIGS[name], regen, out / name, args.steps, overrides, 1)

@@ -169,7 +169,7 @@ def test_the_gate_trains_from_a_random_start_over_the_whole_vocabulary_whatever_
 
     config = REPO_ROOT / "configs" / "smollm2-dflash2.yaml"
     assert load_run_config(config, []).objective.loss_vocab_size == 4096
-    overrides = train_overrides(tmp_path / "gate", tmp_path / "data.jsonl", 60, 1, [], "bf16")
+    overrides = train_overrides(tmp_path / "gate", tmp_path / "data.jsonl", 60, 1, [])
     assert load_run_config(config, overrides).objective.loss_vocab_size is None
     # and from a random start: the SmolLM2 configs start from the target's layers, which learn
     # one sample more slowly (seen: tau 3.33 / 4 after the gate's 60 steps)
@@ -181,18 +181,18 @@ def test_the_gate_trains_from_a_random_start_over_the_whole_vocabulary_whatever_
     assert load_run_config(config, overrides).objective.supervised_tokens == "replies"
 
 
-def test_the_gate_trains_in_one_process_with_the_backend_that_takes_its_precision(tmp_path):
+def test_the_gate_trains_in_one_process_with_the_local_backend_unless_told_otherwise(tmp_path):
     from dflash2.config import load_run_config
     from dflash2.serving_gate import train_overrides
 
     config = REPO_ROOT / "configs" / "smollm2-dflash2.yaml"
-    for precision, backend in (("fp32", "local"), ("bf16", "fsdp")):
+    for precision in ("fp32", "bf16"):
         overrides = train_overrides(
-            tmp_path / "gate", tmp_path / "d.jsonl", 60, 1, [f"precision={precision}"], precision
+            tmp_path / "gate", tmp_path / "d.jsonl", 60, 1, [f"precision={precision}"]
         )
-        assert load_run_config(config, overrides).backend == backend
+        assert load_run_config(config, overrides).backend == "local"
     # the user's choice stands
-    overrides = train_overrides(tmp_path / "gate", tmp_path / "d.jsonl", 60, 1, ["backend=deepspeed"], "fp32")
+    overrides = train_overrides(tmp_path / "gate", tmp_path / "d.jsonl", 60, 1, ["backend=deepspeed"])
     assert load_run_config(config, overrides).backend == "deepspeed"
 
 

@@ -1,7 +1,8 @@
 """One process: the whole target and the whole draft in this process, collectives the identity.
 What the Python API trains with (a notebook, a script, a test; no process group), and what a
 one-process launch trains with under `backend: local` (launch/train.py starts a one-rank group
-there, for its stop and timeout handling; the step calls no collective). fp32 only."""
+there, for its stop and timeout handling; the step calls no collective). fp32, or bf16 compute on
+fp32 master weights: the mixed precision of FSDP2's policy, on plain tensors."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dflash2.config import OptimConfig, Precision, sharded_backends
+from dflash2.config import OptimConfig, Precision, sharded_backends, torch_dtype
 from dflash2.distributed.base import (
+    DTYPE_BYTES,
     Backend,
     MemoryItem,
     ParamCounts,
@@ -51,6 +53,9 @@ class LocalBackend(Backend):
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         self.max_grad_norm = 0.0
         self._micro_steps = 0
+        # bf16: (master, working copy) per parameter; the optimizer steps the fp32 masters, the draft
+        # computes with the bf16 copies (empty in fp32, where the draft's own parameters are stepped)
+        self._copies: list[tuple[nn.Parameter, nn.Parameter]] = []
 
     @classmethod
     def start_process_group(cls, comm: str, timeout: timedelta) -> None:
@@ -66,7 +71,13 @@ class LocalBackend(Backend):
     def plan_draft_state(
         cls, counts: ParamCounts, precision: str, num_shards: int, offload: tuple[bool, bool]
     ) -> list[MemoryItem]:
-        return fp32_draft_state(counts, 1, f"{counts.total / 1e9:.3f} B, whole, fp32")
+        items = fp32_draft_state(counts, 1, f"{counts.total / 1e9:.3f} B, whole, fp32")
+        if precision == "fp32":
+            return items
+        working = MemoryItem(
+            "draft working copy", counts.total * DTYPE_BYTES[precision], f"{precision}, whole"
+        )
+        return [*items, working]
 
     @classmethod
     def plan_gathered(cls, counts: ParamCounts, dtype_bytes: int, with_grads: bool) -> tuple[float, str]:
@@ -106,18 +117,25 @@ class LocalBackend(Backend):
     # ---- draft --------------------------------------------------------------------------------------
 
     def setup_draft(self, draft: nn.Module, optim: OptimConfig, precision: Precision) -> nn.Module:
-        """fp32 weights and compute: mixed precision (fp32 master weights, bf16 compute) is what the
-        sharding wrappers of fsdp and deepspeed provide."""
+        """fp32: the draft's own parameters are trained. bf16: as FSDP2's MixedPrecisionPolicy(bf16,
+        reduce fp32) on one rank, on plain tensors: the optimizer steps fp32 master weights, the draft
+        computes with bf16 copies of its parameters (buffers stay fp32), and each micro-step's bf16
+        gradients are summed into the masters' fp32 gradients."""
         self.optim_config = optim
-        if precision != "fp32":
-            raise ValueError(
-                f"backend {self.name!r} trains in fp32 only, got precision={precision!r}: set precision=fp32, "
-                "or train bf16 with backend=fsdp or backend=deepspeed"
-            )
         self.draft = draft.float().to(self.device)
-        self.optimizer, self.scheduler = build_optimizer(self.draft, optim)
+        self.optimizer, self.scheduler = build_optimizer(self.draft, optim)  # over the fp32 parameters
         self.max_grad_norm = optim.max_grad_norm
+        self.compute_dtype = torch_dtype(precision)
+        self._copies = []
+        if precision != "fp32":
+            self._copies = _working_copies(self.draft, self.compute_dtype)
         return self.draft
+
+    def _masters(self) -> dict[str, torch.Tensor]:
+        """The draft's state dict with the fp32 masters in place of the bf16 working copies."""
+        state = self._require_draft().state_dict(keep_vars=True)
+        working = {id(copy): master for master, copy in self._copies}
+        return {name: working.get(id(tensor), tensor).detach() for name, tensor in state.items()}
 
     def _require_draft(self) -> nn.Module:
         if self.draft is None:
@@ -127,16 +145,27 @@ class LocalBackend(Backend):
     def backward(self, loss: torch.Tensor) -> None:
         self._require_draft()
         loss.backward()  # gradients accumulate in .grad across micro-steps
+        for master, copy in self._copies:  # bf16: into the masters' fp32 gradients, as FSDP2 reduces
+            if copy.grad is not None:
+                grad = copy.grad.float()
+                master.grad = grad if master.grad is None else master.grad.add_(grad)
+                copy.grad = None
         self._micro_steps += 1
 
     def step(self) -> dict[str, float]:
-        draft = self._require_draft()
+        self._require_draft()
         self._check_micro_step(self._micro_steps)
-        params = [p for p in draft.parameters() if p.requires_grad]
+        params = [p for group in self.optimizer.param_groups for p in group["params"]]
         grad_norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
         lr = step_optimizer(self.optimizer, self.scheduler)
+        self._refresh_copies()
         self._micro_steps = 0
         return {"grad_norm": float(grad_norm), "lr": lr}
+
+    def _refresh_copies(self) -> None:
+        with torch.no_grad():
+            for master, copy in self._copies:
+                copy.copy_(master)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor.detach().clone()
@@ -147,28 +176,39 @@ class LocalBackend(Backend):
     # ---- state --------------------------------------------------------------------------------------
 
     def full_draft_state_dict(self) -> dict[str, torch.Tensor]:
-        return {
-            name: t.detach().float().cpu().clone() for name, t in self._require_draft().state_dict().items()
-        }
+        return {name: t.float().cpu().clone() for name, t in self._masters().items()}
 
     def save_state(self, ckpt_dir: Path) -> None:
         state = {
-            "model": self._require_draft().state_dict(),
+            "model": self._masters(),
             "optimizer": self.optimizer.state_dict(),
             "lr_scheduler": self.scheduler.state_dict(),
         }
         self._write_rank_state(ckpt_dir, state)
 
     def load_state(self, ckpt_dir: Path, num_saved_ranks: int) -> None:
-        draft = self._require_draft()
         state = self._read_rank_state(ckpt_dir, num_saved_ranks, lambda shape: (0, _numel(shape)))
         with torch.no_grad():
-            for name, tensor in draft.state_dict().items():
+            for name, tensor in self._masters().items():
                 tensor.copy_(state["model"][name].view(tensor.shape))
+        self._refresh_copies()
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["lr_scheduler"])
         self._continue_schedule(self.scheduler)
         self._micro_steps = 0
+
+
+def _working_copies(draft: nn.Module, dtype: torch.dtype) -> list[tuple[nn.Parameter, nn.Parameter]]:
+    """Put a `dtype` copy of each parameter of `draft` in its place (one copy for a parameter shared by
+    modules); the fp32 originals, which the optimizer holds, become the masters."""
+    copies: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
+    for module in draft.modules():
+        for name, master in list(module.named_parameters(recurse=False)):
+            if id(master) not in copies:
+                copy = nn.Parameter(master.detach().to(dtype), requires_grad=master.requires_grad)
+                copies[id(master)] = (master, copy)
+            module._parameters[name] = copies[id(master)][1]
+    return list(copies.values())
 
 
 def _numel(shape: tuple[int, ...]) -> int:
