@@ -97,13 +97,6 @@ def target_bytes(target_dir: Path) -> int:
 # ------------------------------------------------------------------ one rank
 
 
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
-
-
 def _import_loaders() -> None:
     """What `load` imports, whichever method it runs (a later import is a dict lookup)."""
     import torch.distributed.checkpoint  # noqa: F401
@@ -151,14 +144,15 @@ def worker(args: argparse.Namespace) -> None:
 
     from dflash2.capture import target_features
     from dflash2.distributed import build_backend, init_distributed, shutdown_distributed
+    from dflash2.hardware import status_kib
 
     init_distributed("fsdp")
     backend = build_backend("fsdp", None, 1, 1)
     _import_loaders()  # their imports (73 MiB) are no method's cost: before the mark is reset
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak-RSS mark (VmHWM) to the current RSS
-    baseline_kib = _status_kib("VmRSS")
+    baseline_kib = status_kib("VmRSS")
     target = load(args.worker, backend, args.target_dir)
-    peak_kib = _status_kib("VmHWM")
+    peak_kib = status_kib("VmHWM")
     input_ids = torch.randint(0, 32000, (2, 16), generator=torch.Generator().manual_seed(0))
     batch = {"input_ids": input_ids, "attention_mask": torch.ones_like(input_ids)}
     every_layer = list(range(target.config.num_hidden_layers))

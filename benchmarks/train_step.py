@@ -38,6 +38,7 @@ if str(REPO_ROOT) not in sys.path:  # run as a plain script from any directory
     sys.path.insert(0, str(REPO_ROOT))
 
 from dflash2.config import ObjectiveSection  # noqa: E402
+from dflash2.hardware import status_kib  # noqa: E402
 from dflash2.models import TargetHead, build_draft  # noqa: E402
 from dflash2.models.config import ARCHITECTURES, DFLASH2  # noqa: E402
 from dflash2.objective import ObjectiveConfig, compute_objective  # noqa: E402
@@ -266,21 +267,13 @@ def _reset_peak_memory(device: torch.device) -> int:
     # Writing 5 resets this process's peak RSS (VmHWM) to its current RSS (Linux >= 4.0). Not
     # getrusage's ru_maxrss: a child starts with its parent's peak there, which no reset clears.
     Path("/proc/self/clear_refs").write_text("5")
-    return _status_bytes("VmRSS")
+    return status_kib("VmRSS") * 1024
 
 
 def _peak_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
-    return _status_bytes("VmHWM")
-
-
-def _status_bytes(field: str) -> int:
-    """A memory field of /proc/self/status (reported in KiB), in bytes."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"/proc/self/status has no {field}")
+    return status_kib("VmHWM") * 1024
 
 
 # ------------------------------------------------------------------ orchestration

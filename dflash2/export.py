@@ -46,7 +46,7 @@ from dflash2.models.config import (
 )
 from dflash2.models.registry import expected_tensor_shapes
 from dflash2.safetensors_io import save_tensors
-from dflash2.target.files import CONFIG_FILE, SINGLE_FILE, load_weights, weight_files
+from dflash2.target.files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, load_weights, weight_files
 
 CONFIG_NAME = CONFIG_FILE
 WEIGHTS_NAME = SINGLE_FILE
@@ -236,8 +236,14 @@ def _state_and_config(
 
 # What an export directory holds: its config, its weights (one file, or an index and its shards)
 # and the record of its training run. An existing out_dir with anything else is not replaced.
+_SHARD_FILE = r"model-\d+-of-\d+\.safetensors"  # the shards an index names (save_pretrained's names)
 EXPORT_FILE = re.compile(
-    r"(config\.json|training_run\.json|model(-\d+-of-\d+)?\.safetensors(\.index\.json)?)"
+    "|".join(
+        [
+            *(re.escape(name) for name in (CONFIG_NAME, TRAINING_RUN_NAME, WEIGHTS_NAME, INDEX_FILE)),
+            _SHARD_FILE,
+        ]
+    )
 )
 
 

@@ -82,9 +82,10 @@ class StopRequest:
 
     def describe(self) -> str:
         """The signal that asked this rank to stop, and whether its launcher is gone (asked when
-        reported: the kernel may signal a launcher's death before the worker is reparented)."""
+        reported: the kernel may signal a launcher's death before the worker is reparented); with no
+        signal here, the stop was another rank's request."""
         if self.signal_name is None:
-            return "no signal"
+            return "another rank's stop request"
         launcher_died = _launcher_pid is not None and os.getppid() != _launcher_pid
         return self.signal_name + (" (the launcher died)" if launcher_died else "")
 
@@ -115,8 +116,7 @@ def write_stop_marker(output_dir: str | Path, step: int, checkpoint: Path | None
         "step": step,
         "trained": step - start_step,
         "checkpoint": str(checkpoint) if checkpoint else None,
-        # the signal this rank got, or (as the console says) another rank's request
-        "signal": stop_request.describe() if stop_request.signal_name else "another rank's stop request",
+        "signal": stop_request.describe(),  # this rank's signal, or (as the console says) another rank's request
     }
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(record) + "\n")

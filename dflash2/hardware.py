@@ -15,7 +15,16 @@ import torch
 # "flags" line), Arm's BF16 extension (the "Features" line)
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 CPUINFO = Path("/proc/cpuinfo")
+PROC_STATUS = Path("/proc/self/status")
 NO_BF16 = f"none of {', '.join(sorted(NATIVE_BF16_FLAGS))} in {CPUINFO}"
+
+
+def status_kib(field: str) -> int:
+    """A memory field of this process's /proc/self/status (VmRSS, VmHWM, ...: Linux), in KiB."""
+    for line in PROC_STATUS.read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"{PROC_STATUS} has no {field}")
 
 
 def cpu_flags(cpuinfo: Path = CPUINFO) -> frozenset[str]:

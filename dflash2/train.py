@@ -479,7 +479,7 @@ def report_end(
 def end_message(step: int, max_steps: int, checkpoint: Path | None) -> str:
     if not stop_request.stopped:
         return f"[dflash2] done: step {step}, checkpoint {checkpoint}"
-    asked = f"a {stop_request.describe()}" if stop_request.signal_name else "another rank's stop request"
+    asked = ("a " if stop_request.signal_name else "") + stop_request.describe()
     if checkpoint is None:  # stopped before this run's first step
         return (
             f"[dflash2] stopped on {asked} after step {step} of {max_steps}: no checkpoint yet; "
