@@ -127,7 +127,7 @@ DEMO_SETS = {
     "model.draft_config": "use --draft-layers, --block-size and --target-layer-ids",
     "model.target_dtype": "use --precision",
     "precision": "use --precision",
-    "backend": "it follows --precision",
+    "backend": "it trains each draft in one process with backend=local",
     "train.max_steps": "use --steps",
     "train.resume": "it trains each draft from step 0",
     "train.save_every": "it saves no checkpoint",

@@ -74,9 +74,8 @@ class LocalBackend(Backend):
         items = fp32_draft_state(counts, 1, f"{counts.total / 1e9:.3f} B, whole, fp32")
         if precision == "fp32":
             return items
-        working = MemoryItem(
-            "draft working copy", counts.total * DTYPE_BYTES[precision], f"{precision}, whole"
-        )
+        note = f"{precision}, whole (and one parameter's {precision} gradient at a time)"
+        working = MemoryItem("draft working copy", counts.total * DTYPE_BYTES[precision], note)
         return [*items, working]
 
     @classmethod
@@ -119,8 +118,9 @@ class LocalBackend(Backend):
     def setup_draft(self, draft: nn.Module, optim: OptimConfig, precision: Precision) -> nn.Module:
         """fp32: the draft's own parameters are trained. bf16: as FSDP2's MixedPrecisionPolicy(bf16,
         reduce fp32) on one rank, on plain tensors: the optimizer steps fp32 master weights, the draft
-        computes with bf16 copies of its parameters (buffers stay fp32), and each micro-step's bf16
-        gradients are summed into the masters' fp32 gradients."""
+        computes with bf16 copies of its parameters (buffers stay fp32), and each parameter's bf16
+        gradient is added to its master's fp32 gradient as soon as backward has it (so at most one
+        parameter's bf16 gradient exists at a time). The draft's state_dict() holds the masters."""
         self.optim_config = optim
         self.draft = draft.float().to(self.device)
         self.optimizer, self.scheduler = build_optimizer(self.draft, optim)  # over the fp32 parameters
@@ -132,10 +132,9 @@ class LocalBackend(Backend):
         return self.draft
 
     def _masters(self) -> dict[str, torch.Tensor]:
-        """The draft's state dict with the fp32 masters in place of the bf16 working copies."""
-        state = self._require_draft().state_dict(keep_vars=True)
-        working = {id(copy): master for master, copy in self._copies}
-        return {name: working.get(id(tensor), tensor).detach() for name, tensor in state.items()}
+        """The draft's state dict, detached: its fp32 parameters, or in bf16 the fp32 masters (which
+        its state-dict hook puts in place of the working copies)."""
+        return {name: tensor.detach() for name, tensor in self._require_draft().state_dict().items()}
 
     def _require_draft(self) -> nn.Module:
         if self.draft is None:
@@ -144,12 +143,7 @@ class LocalBackend(Backend):
 
     def backward(self, loss: torch.Tensor) -> None:
         self._require_draft()
-        loss.backward()  # gradients accumulate in .grad across micro-steps
-        for master, copy in self._copies:  # bf16: into the masters' fp32 gradients, as FSDP2 reduces
-            if copy.grad is not None:
-                grad = copy.grad.float()
-                master.grad = grad if master.grad is None else master.grad.add_(grad)
-                copy.grad = None
+        loss.backward()  # gradients accumulate in .grad across micro-steps (in bf16: the masters')
         self._micro_steps += 1
 
     def step(self) -> dict[str, float]:
@@ -200,15 +194,40 @@ class LocalBackend(Backend):
 
 def _working_copies(draft: nn.Module, dtype: torch.dtype) -> list[tuple[nn.Parameter, nn.Parameter]]:
     """Put a `dtype` copy of each parameter of `draft` in its place (one copy for a parameter shared by
-    modules); the fp32 originals, which the optimizer holds, become the masters."""
+    modules or names); the fp32 originals, which the optimizer holds, become the masters. Each copy's
+    gradient goes into its master's (in fp32) once backward has accumulated it, and the draft's
+    state_dict() gives the masters."""
     copies: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
     for module in draft.modules():
-        for name, master in list(module.named_parameters(recurse=False)):
+        for name, master in list(module._parameters.items()):
+            if master is None:
+                continue
             if id(master) not in copies:
                 copy = nn.Parameter(master.detach().to(dtype), requires_grad=master.requires_grad)
+                if copy.requires_grad:
+                    copy.register_post_accumulate_grad_hook(_into_master(master))
                 copies[id(master)] = (master, copy)
             module._parameters[name] = copies[id(master)][1]
+    master_of = {id(copy): master for master, copy in copies.values()}
+    by_name = {name: master_of[id(copy)] for name, copy in draft.named_parameters(remove_duplicate=False)}
+
+    def state_dict_of_masters(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
+        for name, master in by_name.items():
+            if prefix + name in state:  # a Parameter with keep_vars=True, else a detached tensor
+                kept = isinstance(state[prefix + name], nn.Parameter)
+                state[prefix + name] = master if kept else master.detach()
+
+    draft.register_state_dict_post_hook(state_dict_of_masters)
     return list(copies.values())
+
+
+def _into_master(master: nn.Parameter):
+    def hook(copy: nn.Parameter) -> None:
+        grad = copy.grad.float()
+        master.grad = grad if master.grad is None else master.grad.add_(grad)
+        copy.grad = None
+
+    return hook
 
 
 def _numel(shape: tuple[int, ...]) -> int:
