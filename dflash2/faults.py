@@ -13,6 +13,16 @@ Stop marker. Having stopped with a checkpoint, the trainers' rank 0 writes <outp
 the checkpoint is complete: a SLURM batch shell decides to requeue from it, not from an exit code that
 srun may rewrite (launch/slurm/launch.sh), and not after a stop that came before the first step.
 
+Two runs on one output directory. A launched run's global rank 0 holds an exclusive lock on
+<output_dir>/.run.lock (flock) while the job runs, and the file names it (host, process, SLURM job);
+the SLURM pre-flight takes and releases it before the batch shell writes there. A second job on the
+same directory, two array tasks sharing a config say, stops at start-up with one message naming the
+holder, before it loads anything; the lock goes with the holding process, however it ends (a
+requeued SLURM job waits a while for its own earlier run's lock, which a network file system may
+hold past a node's death). A file system that refuses locks (Lustre mounted without `flock`) is
+named in a note and the run goes on unlocked; one whose locks are node-local keeps apart only the
+runs of one node.
+
 Launcher death. torchrun starts each worker in a session of its own, so a worker outlives a launcher
 killed with SIGKILL, or with SIGUSR1, which torchrun does not handle. `exit_with_launcher` has Linux
 send a worker SIGTERM when its launcher dies: the workers stop as above, with a checkpoint.
@@ -29,9 +39,12 @@ operation (WorkNCCL(OpType=...)), as long as TORCH_NCCL_ASYNC_ERROR_HANDLING is 
 from __future__ import annotations
 
 import ctypes
+import errno
+import fcntl
 import json
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -47,6 +60,11 @@ TIMEOUT_ENV = "DFLASH2_DIST_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600.0
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 STOP_MARKER = "stopped.json"
+RUN_LOCK = ".run.lock"
+# flock's errors where the file system has no locks, as opposed to one that another process holds
+NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+# how long a requeued SLURM job waits for its earlier run's lock (an NFSv4 lease is 90 s by default)
+REQUEUE_WAIT_S = 180.0
 
 
 def _say(message: str) -> None:
@@ -125,6 +143,67 @@ def write_stop_marker(output_dir: str | Path, step: int, checkpoint: Path | None
 
 
 _launcher_pid: int | None = None  # the parent whose death exit_with_launcher watches
+
+
+def lock_run_dir(output_dir: str | Path, requeue_wait_s: float = REQUEUE_WAIT_S) -> int | None:
+    """Take <output_dir>/.run.lock and write who holds it into the file. Returns the descriptor that
+    holds it until closed, or None where the file system refuses locks (said in a note). Raises a
+    ValueError naming the holder when another run holds it. A holder of this very SLURM job is its
+    run before a requeue, whose lock a network file system may keep for a while after its node died:
+    waited for, up to `requeue_wait_s`."""
+    path = Path(output_dir) / RUN_LOCK
+    job = os.environ.get("SLURM_JOB_ID")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as error:
+        raise ValueError(
+            f"cannot open {path} ({error.strerror}): give an output_dir this account can write"
+        ) from None
+    waited_since = None
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except OSError as error:
+            if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                os.close(fd)
+                if error.errno not in NO_LOCKS:
+                    raise
+                print(
+                    f"[dflash2] note: the file system of {path.parent} refuses locks ({error.strerror}): "
+                    "another run on this output_dir would not be stopped",
+                    flush=True,
+                )
+                return None
+        holder = path.read_text(errors="replace").strip() or "a process that has not written its name yet"
+        if not (job and f", SLURM job {job}," in holder):
+            os.close(fd)
+            raise ValueError(
+                f"output_dir {output_dir} is in use by another run ({holder}): two runs on one directory "
+                "would overwrite each other's checkpoints and logs. Wait for that run to end (a stopped "
+                "run resumes from here), or give this one another output_dir"
+            )
+        if waited_since is None:
+            waited_since = time.monotonic()
+            print(
+                f"[dflash2] output_dir {output_dir} is locked by this SLURM job's earlier run ({holder}): "
+                f"waiting up to {requeue_wait_s:.0f} s for the file system to release it",
+                flush=True,
+            )
+        if time.monotonic() - waited_since >= requeue_wait_s:
+            os.close(fd)
+            raise ValueError(
+                f"output_dir {output_dir} is still locked by this SLURM job's earlier run ({holder}) after "
+                f"{requeue_wait_s:.0f} s: if its processes are gone (a dead node whose lock the file system "
+                f"keeps), delete {path} and submit the job again"
+            )
+        time.sleep(1.0)
+    holder = f"process {os.getpid()} on {socket.gethostname()}" + (f", SLURM job {job}" if job else "")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{holder}, since {time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+    os.fsync(fd)  # another node reads it from the server, not from this node's page cache
+    return fd
 
 
 def exit_with_launcher() -> None:

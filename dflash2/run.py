@@ -17,9 +17,13 @@ DFLASH2_DIST_TIMEOUT_S seconds for a peer, so a dead or frozen rank stops the jo
 
 from __future__ import annotations
 
+import os
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import replace
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -39,7 +43,7 @@ from dflash2.distributed import (
     distributed_run,
     init_distributed,
 )
-from dflash2.faults import collective_section, collective_timeout, stop_request
+from dflash2.faults import REQUEUE_WAIT_S, collective_section, collective_timeout, lock_run_dir, stop_request
 from dflash2.hardware import warn_if_slow_bf16
 from dflash2.identity import data_identity
 from dflash2.run_plan import RunPlan, resolve_run
@@ -48,6 +52,7 @@ from dflash2.train import build_setup, fit
 # Keys in the job's rendezvous store (disaggregated): a rank was asked to stop / the trainers are done.
 STOP_KEY = "dflash2/stop_requested"
 TRAINERS_DONE_KEY = "dflash2/trainers_done"
+RUN_DIR_KEY = "dflash2/run_dir_lock"  # whether rank 0 locked the output directory ("": it did)
 
 
 def run(cfg: RunConfig) -> dict[str, float]:
@@ -56,6 +61,35 @@ def run(cfg: RunConfig) -> dict[str, float]:
     (launch/train.py installs the stop signals' handlers)."""
     with distributed_run():
         return run_disaggregated(cfg) if cfg.topology == "disaggregated" else run_colocated(cfg)
+
+
+@contextmanager
+def run_dir_held(cfg: RunConfig) -> Iterator[None]:
+    """The job's hold on its output directory (dflash2.faults.lock_run_dir), by global rank 0 for the
+    whole run. The other ranks learn through the job's store whether rank 0 took it, and raise the
+    same error when it did not (rank 0 prints it: dflash2.errors)."""
+    store = dist.distributed_c10d._get_default_store()  # the job's rendezvous store (no public getter)
+    key = f"{RUN_DIR_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # a store outlives a restart
+    fd = None
+    if dist.get_rank() == 0:
+        outcome = "rank 0 could not lock the output_dir (its log says why)"
+        try:
+            fd = lock_run_dir(cfg.output_dir)
+            outcome = ""
+        except ValueError as error:
+            outcome = str(error)
+            raise
+        finally:
+            store.set(key, outcome)
+    else:
+        store.wait([key], timedelta(seconds=REQUEUE_WAIT_S) + collective_timeout())
+        if outcome := store.get(key).decode():
+            raise ValueError(outcome)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def run_backend(
@@ -77,12 +111,13 @@ def save_resolved_config(cfg: RunConfig, backend: Backend) -> None:
 
 def run_colocated(cfg: RunConfig) -> dict[str, float]:
     init_distributed(cfg.backend)
-    plan = resolve_run(cfg, cfg.data_parallel_size(dist.get_world_size()))
-    backend = run_backend(plan.config)
-    with collective_section("setup (loading the target and the draft)"):
-        setup = build_setup(plan, backend)
-    save_resolved_config(plan.config, backend)  # only once the resume has been accepted
-    return fit(setup)
+    with run_dir_held(cfg):  # first: the resume point is read once no other run writes there
+        plan = resolve_run(cfg, cfg.data_parallel_size(dist.get_world_size()))
+        backend = run_backend(plan.config)
+        with collective_section("setup (loading the target and the draft)"):
+            setup = build_setup(plan, backend)
+        save_resolved_config(plan.config, backend)  # only once the resume has been accepted
+        return fit(setup)
 
 
 def run_offline_capture(cfg: RunConfig, out_dir: str | Path, *, batch_size: int, shard_bytes: int) -> Path:
@@ -169,27 +204,28 @@ def run_disaggregated(cfg: RunConfig) -> dict[str, float]:
     """Every rank calls it; returns the trainers' last metrics ({} on capture ranks)."""
     init_distributed(cfg.backend)
     check_capture_ranks(cfg.capture_ranks, dist.get_world_size())
-    plan = resolve_run(cfg, cfg.data_parallel_size(dist.get_world_size()))
-    if plan.resume_from is not None:  # on every rank: capture ranks would load the target first
-        check_resume(plan.resume_from, plan.contract)
-    num_capture, world_size, timeout = cfg.capture_ranks, dist.get_world_size(), collective_timeout()
-    # every rank creates every group, in the same order
-    capture_group = dist.new_group(list(range(num_capture)), timeout=timeout)
-    trainer_group = dist.new_group(list(range(num_capture, world_size)), timeout=timeout)
-    transfer_group = dist.new_group(list(range(world_size)), timeout=timeout)
-    t0 = time.perf_counter()
-    is_capture = dist.get_rank() < num_capture
-    with backend_class(cfg.backend).role_scope(capture_group if is_capture else trainer_group) as scope:
-        if is_capture:
-            run_capture_rank(plan, capture_group, transfer_group, scope)
-            summary = {}
-        else:
-            summary = run_trainer_rank(plan, trainer_group, transfer_group, scope)
-    with collective_section("the end of the run"):
-        dist.barrier(group=transfer_group)  # the job ends together (capture ranks may host the store)
-    if dist.get_rank() == 0:
-        print(f"[dflash2] disaggregated run done in {time.perf_counter() - t0:.1f} s", flush=True)
-    return summary
+    with run_dir_held(cfg):  # first: the resume point is read once no other run writes there
+        plan = resolve_run(cfg, cfg.data_parallel_size(dist.get_world_size()))
+        if plan.resume_from is not None:  # on every rank: capture ranks would load the target first
+            check_resume(plan.resume_from, plan.contract)
+        num_capture, world_size, timeout = cfg.capture_ranks, dist.get_world_size(), collective_timeout()
+        # every rank creates every group, in the same order
+        capture_group = dist.new_group(list(range(num_capture)), timeout=timeout)
+        trainer_group = dist.new_group(list(range(num_capture, world_size)), timeout=timeout)
+        transfer_group = dist.new_group(list(range(world_size)), timeout=timeout)
+        t0 = time.perf_counter()
+        is_capture = dist.get_rank() < num_capture
+        with backend_class(cfg.backend).role_scope(capture_group if is_capture else trainer_group) as scope:
+            if is_capture:
+                run_capture_rank(plan, capture_group, transfer_group, scope)
+                summary = {}
+            else:
+                summary = run_trainer_rank(plan, trainer_group, transfer_group, scope)
+        with collective_section("the end of the run"):
+            dist.barrier(group=transfer_group)  # the job ends together (capture ranks may host the store)
+        if dist.get_rank() == 0:
+            print(f"[dflash2] disaggregated run done in {time.perf_counter() - t0:.1f} s", flush=True)
+        return summary
 
 
 @torch.no_grad()

@@ -6,6 +6,7 @@ launchers' exit codes, the collective timeout) are also tested alone, fast."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -13,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from contextlib import suppress
 from pathlib import Path
@@ -34,6 +36,7 @@ from tests.run_helpers import (
     children,
     launch_train,
     metrics,
+    run,
     seeded_rng,
     tiny_subset,
     train_command,
@@ -446,3 +449,68 @@ def test_a_killed_builds_lock_refuses_a_deepspeed_start_instead_of_hanging(commo
     assert f"error: {stale}: a build lock older than 15 min" in run.stderr
     assert "delete it and start again" in run.stderr and "Traceback" not in run.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_a_run_on_an_output_dir_another_run_holds_stops_at_start_naming_it(common, tmp_path):
+    """Two jobs on one output directory (array tasks sharing a config): the second stops before it
+    loads anything, one message on one rank naming the holder, and writes nothing; once the holder is
+    gone (the lock goes with its process), the run starts and names itself in the file."""
+    lock = tmp_path / ".run.lock"
+    lock.write_text("process 4242 on node7, SLURM job 99, since 2026-12-07 10:00:00\n")
+    held = os.open(lock, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)  # as a running job's rank 0 holds it (the kernel's flock)
+    try:
+        result = run(wrapped(2, [*common, f"output_dir={tmp_path}", "backend=fsdp"]))
+    finally:
+        os.close(held)
+    assert result.returncode == EXIT_USER_ERROR, result.stderr[-3000:]
+    message = (
+        f"error: output_dir {tmp_path} is in use by another run (process 4242 on node7, SLURM job 99, "
+        "since 2026-12-07 10:00:00): two runs on one directory would overwrite"
+    )
+    assert message in result.stderr, result.stderr[-3000:]
+    assert result.stderr.count("error:") == 1 and "Traceback" not in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".run.lock"]  # nothing written
+    check_ok(launch_train(1, [*common, f"output_dir={tmp_path}", "train.max_steps=1"]))
+    assert logged_steps(tmp_path) == [1]
+    assert lock.read_text().startswith("process ") and "node7" not in lock.read_text()
+    free = os.open(lock, os.O_RDONLY)
+    fcntl.flock(free, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when the run ended (raises if not)
+    os.close(free)
+
+
+def test_a_requeued_slurm_job_waits_for_its_own_earlier_runs_lock_and_no_other(tmp_path, monkeypatch):
+    """A network file system may keep a dead node's lock for its lease: a job requeued under the same
+    SLURM job id waits for it (and says so at the end of its wait); the lock of another job is refused
+    at once."""
+    from dflash2.faults import RUN_LOCK, lock_run_dir
+
+    lock = tmp_path / RUN_LOCK
+    lock.write_text("process 4242 on node7, SLURM job 77, since 2026-12-07 10:00:00\n")
+    held = os.open(lock, os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_EX)
+    release = threading.Timer(2.0, os.close, [held])
+    try:
+        monkeypatch.setenv("SLURM_JOB_ID", "78")
+        start = time.monotonic()
+        with pytest.raises(
+            ValueError, match=r"is in use by another run \(process 4242 on node7, SLURM job 77,"
+        ):
+            lock_run_dir(tmp_path, requeue_wait_s=30)
+        assert time.monotonic() - start < 1
+        monkeypatch.setenv("SLURM_JOB_ID", "77")
+        with pytest.raises(
+            ValueError, match=r"still locked by this SLURM job's earlier run .* after 1 s: if its "
+        ):
+            lock_run_dir(tmp_path, requeue_wait_s=1)
+        release.start()
+        fd = lock_run_dir(tmp_path, requeue_wait_s=30)
+        assert fd is not None and time.monotonic() - start >= 2  # taken once the holder let go
+        assert (
+            lock.read_text().startswith(f"process {os.getpid()} on ")
+            and ", SLURM job 77, since" in lock.read_text()
+        )
+        os.close(fd)
+    finally:
+        release.cancel()
+        release.join()

@@ -6,7 +6,9 @@ The same checks as launch/train.py (the run config, its overrides, every path it
 against the target, the backend's files such as a DeepSpeed JSON, the checkpoint to resume) plus what
 a requeued job needs: train.resume auto (a requeued job reruns the same command and must continue from
 the latest checkpoint in the fixed output_dir), a global batch that this job's GPUs can split, at
-least one trainer rank. A problem is one message and exit 2 (no traceback), before any node starts.
+least one trainer rank, and an output_dir no other run holds (dflash2.faults.lock_run_dir: taken and
+released here, before the batch shell writes its logs there). A problem is one message and exit 2
+(no traceback), before any node starts.
 The run's layout goes to stderr (the job's log); stdout is one line, the run's output_dir, for the
 batch shell (the run's logs and its stop marker live there).
 """
@@ -14,6 +16,7 @@ batch shell (the run's logs and its stop marker live there).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -22,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 from dflash2.checkpoint import check_resume  # noqa: E402
 from dflash2.config import check_run_paths, load_run_config  # noqa: E402
 from dflash2.errors import add_debug_flag, exit_process, run_main  # noqa: E402
+from dflash2.faults import lock_run_dir  # noqa: E402
 from dflash2.run_plan import resolve_run  # noqa: E402
 
 
@@ -43,6 +47,8 @@ def check(config: str, overrides: list[str], world_size: int) -> str:
         t = cfg.with_batch_layout(data_parallel).train
     except ValueError as error:
         raise ValueError(f"{error} (this job has {world_size} GPUs)") from None
+    if (held := lock_run_dir(cfg.output_dir)) is not None:  # another job's run: refused
+        os.close(held)
     plan = resolve_run(cfg, data_parallel)  # the draft config against the target, the backend's files
     if plan.resume_from is not None:  # a requeue resumes it: a checkpoint of another run is refused here
         check_resume(plan.resume_from, plan.contract)
