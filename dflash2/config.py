@@ -197,6 +197,10 @@ class RunConfig(_Section):
     def with_batch_layout(self, data_parallel_size: int) -> RunConfig:
         """This config with grad_accum_steps derived from train.global_batch_size (when set) for
         `data_parallel_size` ranks training the draft; the value of grad_accum_steps is then ignored."""
+        if not isinstance(data_parallel_size, int) or data_parallel_size < 1:
+            raise ValueError(
+                f"the number of data-parallel ranks must be an int >= 1, got {data_parallel_size!r}"
+            )
         t = self.train
         if t.global_batch_size is None:
             return self
@@ -353,9 +357,14 @@ def check_run_paths(cfg: RunConfig) -> None:
         problems += _problem(
             require_path, cfg.train.resume, "train.resume", "dir", "a checkpoint directory, auto or none"
         )
-    if Path(cfg.output_dir).exists() and not Path(cfg.output_dir).is_dir():
-        problems.append(f"output_dir={cfg.output_dir!r} is a file: give a directory for the run")
+    problems += _problem(check_output_dir, cfg)
     _raise_all(problems)
+
+
+def check_output_dir(cfg: RunConfig) -> None:
+    """output_dir is a directory, or does not exist yet."""
+    if Path(cfg.output_dir).exists() and not Path(cfg.output_dir).is_dir():
+        raise ValueError(f"output_dir={cfg.output_dir!r} is a file: give a directory for the run")
 
 
 def _problem(check: Any, *args: Any) -> list[str]:

@@ -82,6 +82,10 @@ def backbone_fields(text: dict, choices: DraftChoices) -> dict:
     if rope_theta is None:
         raise ValueError("the target's config has no rope_theta; pass --rope-theta")
     dtype = text.get("dtype") or text.get("torch_dtype") or "float32"
+    if choices.sliding_window < 0:
+        raise ValueError(
+            f"--sliding-window {choices.sliding_window}: give a window of tokens, or 0 for full attention"
+        )
     sliding = choices.sliding_window > 0
     cfg = {
         "architectures": [choices.architecture],
@@ -305,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     args = vars(parse_args(argv))
     target, out = Path(args.pop("target")), Path(args.pop("out"))
     args.pop("debug")
+    if out.is_dir():
+        raise ValueError(f"--out {out} is a directory: give the file to write, e.g. {out / 'draft.json'}")
     cfg, mask_note = build_draft_config(target, DraftChoices(**args))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(cfg, indent=2) + "\n")

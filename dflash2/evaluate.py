@@ -466,6 +466,11 @@ def evaluate(
     and return (and optionally write) the summary: `evaluate_drafts` for one draft, whose keyword
     `options` it takes (num_prompts, max_new_tokens, temperature, seed, device, precision,
     chat_template_kwargs)."""
+    if not isinstance(draft_dir, (str, Path)):
+        raise ValueError(
+            f"evaluate takes one export directory, got {type(draft_dir).__name__}: for several drafts "
+            "at once, over the same target decodes, call evaluate_drafts(draft_dirs, ...)"
+        )
     paths = {"out_jsons": out_json, "tb_dirs": tb_dir, "plot_paths": plot_path}
     reports = {key: None if path is None else [path] for key, path in paths.items()}
     (summary,) = evaluate_drafts([draft_dir], target_dir, data_jsonl, **reports, **options)

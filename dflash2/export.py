@@ -221,7 +221,7 @@ def summary(path: str | Path) -> str:
 
 
 def _state_and_config(
-    model_or_state: torch.nn.Module | dict[str, torch.Tensor], config: dict | None
+    model_or_state: torch.nn.Module | dict[str, torch.Tensor], config: dict | str | Path | None
 ) -> tuple[dict[str, torch.Tensor], dict]:
     if isinstance(model_or_state, torch.nn.Module):
         state = model_or_state.state_dict()
@@ -230,8 +230,10 @@ def _state_and_config(
     else:
         state = model_or_state
     if config is None:
-        raise ValueError("export_draft: a plain state dict needs config=<draft config dict>")
-    return strip_model_prefix(state), config
+        raise ValueError(
+            "export_draft: a plain state dict needs config=<draft config dict or its config.json>"
+        )
+    return strip_model_prefix(state), load_config_dict(config)
 
 
 # What an export directory holds: its config, its weights (one file, or an index and its shards)
@@ -290,7 +292,7 @@ def export_draft(
     model_or_state: torch.nn.Module | dict[str, torch.Tensor],
     out_dir: str | Path,
     *,
-    config: dict | None = None,
+    config: dict | str | Path | None = None,
     dtype: torch.dtype = torch.bfloat16,
     tokenizer: Any = None,
     target_config: Any = None,
@@ -300,13 +302,16 @@ def export_draft(
     """Write ``config.json`` + ``model.safetensors`` into ``out_dir`` atomically and validate what was written.
 
     model_or_state: a draft module (its ``.config`` a Qwen3Config with ``dflash_config``) or a state dict
-    with contract names (an optional ``model.`` prefix is stripped), in which case ``config`` is required.
+    with contract names (an optional ``model.`` prefix is stripped), in which case ``config`` is required
+    (a dict, or the config.json to read it from).
     training_run: written as ``training_run.json`` (e.g. {"step": 300, "chat_template_kwargs": {}}).
     source: the file ``config`` was read from, named in a draft/target mismatch.
     Raises ValueError listing every problem; nothing is left at ``out_dir`` when validation fails.
     """
     if dtype not in DTYPE_NAMES:
         raise ValueError(f"dtype={dtype}: export in one of {list(DTYPE_NAMES)} (bfloat16 by default)")
+    if source is None and isinstance(config, (str, Path)):
+        source = config
     state, cfg = _state_and_config(model_or_state, config)
     borrowed = sorted(name for name in state if _is_borrowed(name))
     if borrowed:

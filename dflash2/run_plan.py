@@ -17,7 +17,7 @@ import datasets
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from dflash2.checkpoint import TrainState, read_train_state, resume_point, run_contract
-from dflash2.config import RunConfig, check_data_paths, check_model_paths
+from dflash2.config import RunConfig, check_data_paths, check_model_paths, check_output_dir
 from dflash2.data.loader import pad_token_id_of
 from dflash2.data.prepare import build_dataset, check_token_ids_in_vocab
 from dflash2.distributed.registry import check_backend_config
@@ -95,6 +95,7 @@ def resolve_run(cfg: RunConfig, data_parallel_size: int = 1, *, check_data: bool
             f"resolve_run takes a RunConfig, not {type(cfg).__name__}: pass load_run_config(path)"
         )
     check_model_paths(cfg)
+    check_output_dir(cfg)
     check_backend_config(cfg)
     if check_data:
         check_data_paths(cfg)

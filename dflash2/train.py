@@ -163,9 +163,11 @@ def check_batch_layout(backend: Backend, cfg: RunConfig) -> None:
     built = (backend.micro_batch_size, backend.grad_accum_steps)
     if built != (t.micro_batch_size, t.grad_accum_steps):
         raise ValueError(
-            f"the backend was built for micro-batch {built[0]} x {built[1]} accumulation steps, the run "
-            f"is {t.micro_batch_size} x {t.grad_accum_steps}: build it from the plan's config, e.g. "
-            "dflash2.LocalBackend.from_run_config(plan.config)"
+            f"the backend was built for micro-batch {built[0]} x {built[1]} accumulation steps on "
+            f"{backend.draft_world_size} data-parallel rank(s), the plan is {t.micro_batch_size} x "
+            f"{t.grad_accum_steps}: resolve the plan for the ranks the backend trains on "
+            f"(dflash2.resolve_run(cfg, {backend.draft_world_size})) and build the backend from its config, "
+            "e.g. dflash2.LocalBackend.from_run_config(plan.config)"
         )
 
 
@@ -237,6 +239,14 @@ def train_step(setup: Setup, step: StepBatch, timer: StepTimer) -> tuple[dict, d
     if not timer.started:  # checked before anything moves: the end of the step reads the timer
         raise ValueError(
             "start the timer's step first: timer.start_step(), then train_step(setup, step, timer)"
+        )
+    micro = getattr(step, "micro", None)
+    if not isinstance(micro, list) or len(micro) != setup.backend.grad_accum_steps:
+        got = f"{len(micro)} micro-batches" if isinstance(micro, list) else type(step).__name__
+        raise ValueError(
+            f"train_step takes one optimizer step of {setup.backend.grad_accum_steps} micro-batches, got "
+            f"{got}: draw steps from dflash2.data.loader.step_batches with the run's "
+            "train.micro_batch_size and train.grad_accum_steps (as fit does)"
         )
     setup.stepped = True
     backend, seed = setup.backend, setup.cfg.seed

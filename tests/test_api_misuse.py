@@ -94,6 +94,20 @@ def test_train_step_refuses_an_unstarted_timer_before_any_update(overrides, tmp_
         dflash2.train_step(setup, step, StepTimer(setup.backend.device))
     after = setup.backend.full_draft_state_dict()
     assert all(after[k].equal(v) for k, v in before.items())  # before: updated, then AssertionError
+    # a step of another accumulation: refused before its backward (it was refused after, and every
+    # later step then failed with "step() after 3 backward calls")
+    timer = StepTimer(setup.backend.device)
+    for wrong in (next(step_batches(len(setup.dataset), 2, 2, setup.cfg.seed, 0, 1)), None):
+        timer.start_step()
+        with pytest.raises(ValueError, match=r"one optimizer step of 1 micro-batches, got .*step_batches"):
+            dflash2.train_step(setup, wrong, timer)
+    assert all(setup.backend.full_draft_state_dict()[k].equal(v) for k, v in before.items())
+    timer.start_step()
+    dflash2.train_step(setup, step, timer)  # the Setup still trains
+    assert any(not setup.backend.full_draft_state_dict()[k].equal(v) for k, v in before.items())
+    # one backend per Setup: a second build_setup on it left fit stepping the other draft
+    with pytest.raises(ValueError, match="this backend trains a draft already.*a backend for each Setup"):
+        dflash2.build_setup(setup.plan, setup.backend)
 
 
 def test_a_backend_of_another_batch_layout_is_refused(overrides, tmp_path):
@@ -102,8 +116,17 @@ def test_a_backend_of_another_batch_layout_is_refused(overrides, tmp_path):
     )
     plan = dflash2.resolve_run(cfg)
     assert plan.config.train.grad_accum_steps == 2
-    with pytest.raises(ValueError, match=r"micro-batch 1 x 1 .* run is 2 x 2.*from_run_config"):
+    with pytest.raises(ValueError, match=r"micro-batch 1 x 1 .* the plan is 2 x 2.*from_run_config"):
         dflash2.build_setup(plan, dflash2.LocalBackend())
+    # a plan resolved for 2 data-parallel ranks, a backend of one: the message says so
+    plan = dflash2.resolve_run(cfg, 2)
+    with pytest.raises(
+        ValueError, match=r"on 1 data-parallel rank\(s\), the plan is 2 x 1.*resolve_run\(cfg, 1\)"
+    ):
+        dflash2.build_setup(plan, dflash2.LocalBackend.from_run_config(plan.config))
+    for ranks in (0, -1):
+        with pytest.raises(ValueError, match=f"data-parallel ranks must be an int >= 1, got {ranks}"):
+            dflash2.resolve_run(cfg, ranks)
 
 
 def test_wrong_arguments_and_paths_are_named_before_anything_loads(overrides, tiny_default, tmp_path):
@@ -134,6 +157,11 @@ def test_wrong_arguments_and_paths_are_named_before_anything_loads(overrides, ti
     )
     with pytest.raises(ValueError, match=r"model.target='no/such/dir' \(relative to .*\) does not exist"):
         dflash2.resolve_run(cfg)  # before: the hub's "Repo id must be in the form ..."
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    cfg = dflash2.load_run_config(TINY_CONFIG, [*overrides, f"output_dir={a_file}"])
+    with pytest.raises(ValueError, match="output_dir=.*a-file' is a file: give a directory"):
+        dflash2.resolve_run(cfg)  # before: NotADirectoryError once the target and the draft had loaded
 
     from dflash2.evaluate import evaluate, evaluate_drafts
 
@@ -152,6 +180,10 @@ def test_wrong_arguments_and_paths_are_named_before_anything_loads(overrides, ti
         (checkpoint / name).write_text("{}")
     with pytest.raises(ValueError, match="is a training checkpoint, not an export.*dflash2.export"):
         evaluate(checkpoint, *args)
+    with pytest.raises(ValueError, match="evaluate takes one export directory, got list.*evaluate_drafts"):
+        evaluate([export], *args)  # before: a TypeError from pathlib
+    with pytest.raises(ValueError, match="no config.json, so not an export.*python -m dflash2.export"):
+        dflash2.load_draft(checkpoint)  # before: "no such file; pass a config.json or its directory"
 
 
 def test_an_objective_that_needs_the_teacher_names_the_missing_tensor(overrides, tmp_path):

@@ -219,6 +219,13 @@ def test_refusals_are_one_message_exit_2(smollm2, tiny_default, tmp_path, capsys
     only = ["--target", str(config_only), "--arch", "DFlashDraftModel", "--out", str(tmp_path / "x.json")]
     err = refusal(capsys, *only)
     assert "has no tokenizer: pass --mask-token-id" in err
+    assert "--sliding-window -5: give a window of tokens, or 0 for full attention" in refusal(
+        capsys, *v2, "--sliding-window", "-5"
+    )  # before: written as full attention
+    a_dir = tmp_path / "a-dir"
+    a_dir.mkdir()
+    v2_into_dir = ["--target", str(smollm2.target_dir), "--arch", "DFlash2DraftModel", "--out", str(a_dir)]
+    assert f"--out {a_dir} is a directory: give the file to write" in refusal(capsys, *v2_into_dir)
     assert not (tmp_path / "x.json").exists()
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -239,6 +240,10 @@ def test_export_refuses_and_leaves_old_export(tmp_path):
     with pytest.raises(ValueError, match="needs config="):
         export_draft(synthetic_tensors(cfg), out)
     after = load_file(out / "model.safetensors")
+    # the config may be given as its file (as build_draft and load_draft take it)
+    from_file = export_draft(synthetic_tensors(cfg), tmp_path / "from-file", config=TINY_V2)
+    assert (from_file / "config.json").read_text() == (out / "config.json").read_text()
+    shutil.rmtree(from_file)
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no temporary directories left
 

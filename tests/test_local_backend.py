@@ -177,3 +177,22 @@ def test_backend_local_refuses_more_processes_and_the_disaggregated_topology(com
         for item in plan_run(cfg, world_size=1, target_config=target_config).roles[0].items
     }
     assert lines["draft gathered"] == "nothing: every parameter is held whole"
+
+
+def test_bf16_load_state_dict_reaches_the_fp32_masters(common, tmp_path):
+    """Weights loaded into a bf16 Setup's draft (a warm start from the Python API) are what trains:
+    the masters take the values as given, the working copies their bf16 rounding (before, the load
+    went to the copies only, and the next step copied the untouched masters back over them)."""
+    import dflash2
+
+    cfg = load_run_config(TINY_CONFIG, [*common, f"output_dir={tmp_path}", "precision=bf16"])
+    plan = dflash2.resolve_run(cfg)
+    setup = dflash2.build_setup(plan, dflash2.LocalBackend.from_run_config(plan.config))
+    loaded = {name: torch.randn_like(t) for name, t in setup.draft.state_dict().items()}
+    setup.draft.load_state_dict(loaded)
+    state = setup.backend.full_draft_state_dict()
+    assert all(torch.equal(state[name], loaded[name]) for name in loaded)
+    weight = setup.draft.get_parameter("layers.0.mlp.down_proj.weight")
+    assert weight.dtype == torch.bfloat16 and torch.equal(
+        weight, loaded["layers.0.mlp.down_proj.weight"].bfloat16()
+    )

@@ -291,6 +291,16 @@ class Backend(ABC):
     def setup_draft(self, draft: nn.Module, optim: OptimConfig, precision: Precision) -> nn.Module:
         """Shard the trainable draft, build AdamW + LR schedule; returns the module to call like the draft."""
 
+    def _take_optim_config(self, optim: OptimConfig) -> None:
+        """First thing of setup_draft: a backend trains one draft (a second would leave its optimizer
+        stepping the second while the first Setup computes with the first)."""
+        if self.optim_config is not None:
+            raise ValueError(
+                "this backend trains a draft already (an earlier build_setup or setup_draft): build a "
+                "backend for each Setup, e.g. dflash2.LocalBackend.from_run_config(plan.config)"
+            )
+        self.optim_config = optim
+
     @abstractmethod
     def backward(self, loss: torch.Tensor) -> None:
         """`loss` = this rank's micro-batch loss_sum / the global weight sum of the whole optimizer step.

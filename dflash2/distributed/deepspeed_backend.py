@@ -213,7 +213,7 @@ class DeepSpeedBackend(Backend):
     # ---- draft --------------------------------------------------------------------------------------
 
     def setup_draft(self, draft: nn.Module, optim: OptimConfig, precision: Precision) -> nn.Module:
-        self.optim_config = optim
+        self._take_optim_config(optim)
         config = copy.deepcopy(self.ds_config)
         set_ds_value(config, "gradient_clipping", optim.max_grad_norm, source="optim.max_grad_norm")
         set_ds_value(config, "bf16.enabled", precision == "bf16", source=f"precision={precision!r}")

@@ -113,7 +113,7 @@ class FSDPBackend(Backend):
     # ---- draft --------------------------------------------------------------------------------------
 
     def setup_draft(self, draft: nn.Module, optim: OptimConfig, precision: Precision) -> nn.Module:
-        self.optim_config = optim
+        self._take_optim_config(optim)
         # fp32 master weights; bf16 only for compute, gradients reduced in fp32
         mp_policy = None
         if precision == "bf16":

@@ -121,7 +121,7 @@ class LocalBackend(Backend):
         computes with bf16 copies of its parameters (buffers stay fp32), and each parameter's bf16
         gradient is added to its master's fp32 gradient as soon as backward has it (so at most one
         parameter's bf16 gradient exists at a time). The draft's state_dict() holds the masters."""
-        self.optim_config = optim
+        self._take_optim_config(optim)
         self.draft = draft.float().to(self.device)
         self.optimizer, self.scheduler = build_optimizer(self.draft, optim)  # over the fp32 parameters
         self.max_grad_norm = optim.max_grad_norm
@@ -195,8 +195,8 @@ class LocalBackend(Backend):
 def _working_copies(draft: nn.Module, dtype: torch.dtype) -> list[tuple[nn.Parameter, nn.Parameter]]:
     """Put a `dtype` copy of each parameter of `draft` in its place (one copy for a parameter shared by
     modules or names); the fp32 originals, which the optimizer holds, become the masters. Each copy's
-    gradient goes into its master's (in fp32) once backward has accumulated it, and the draft's
-    state_dict() gives the masters."""
+    gradient goes into its master's (in fp32) once backward has accumulated it; the draft's
+    state_dict() gives the masters, and its load_state_dict() loads them too."""
     copies: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}
     for module in draft.modules():
         for name, master in list(module._parameters.items()):
@@ -217,7 +217,15 @@ def _working_copies(draft: nn.Module, dtype: torch.dtype) -> list[tuple[nn.Param
                 kept = isinstance(state[prefix + name], nn.Parameter)
                 state[prefix + name] = master if kept else master.detach()
 
+    def load_into_masters(module: nn.Module, state: dict, prefix: str, *args) -> None:
+        with torch.no_grad():  # the values as given (the module then loads their bf16 rounding)
+            for name, master in by_name.items():
+                value = state.get(prefix + name)
+                if isinstance(value, torch.Tensor) and value.shape == master.shape:
+                    master.copy_(value)
+
     draft.register_state_dict_post_hook(state_dict_of_masters)
+    draft.register_load_state_dict_pre_hook(load_into_masters)
     return list(copies.values())
 
 

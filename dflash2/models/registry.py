@@ -20,7 +20,7 @@ from dflash2.models.config import (
 )
 from dflash2.models.draft import DFlash2DraftModel, DFlashDraftModel
 from dflash2.models.spec import DraftSpec
-from dflash2.target.files import INDEX_FILE, SINGLE_FILE, load_weights, weight_files
+from dflash2.target.files import CONFIG_FILE, INDEX_FILE, SINGLE_FILE, load_weights, weight_files
 
 DRAFT_REGISTRY: dict[str, type[DFlashDraftModel]] = {
     cls.architecture.name: cls for cls in (DFlashDraftModel, DFlash2DraftModel)
@@ -81,6 +81,11 @@ def load_draft(export_dir: str | Path, dtype: torch.dtype | None = None) -> DFla
     """Load an export (config.json + model.safetensors). Missing, unexpected or misshapen tensors
     are errors: the servers would silently drop or zero them."""
     export_dir = Path(export_dir)
+    if export_dir.is_dir() and not (export_dir / CONFIG_FILE).is_file():
+        raise ValueError(
+            f"{export_dir}: no {CONFIG_FILE}, so not an export (a training checkpoint is exported with "
+            f"`python -m dflash2.export <checkpoint> <out>`)"
+        )
     problems = validate_draft_config(load_config_dict(export_dir), source=export_dir / "config.json")
     if problems:  # read as it is, as the servers read it: not normalised into another model first
         raise ValueError(
