@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
@@ -12,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from transformers import AutoTokenizer  # noqa: E402
 
-from dflash2.config import require_path  # noqa: E402
+from dflash2.config import json_object_arg, require_path  # noqa: E402
 from dflash2.data.prepare import describe, prepare_dataset, save_prepared  # noqa: E402
 from dflash2.errors import add_debug_flag, exit_process, run_main  # noqa: E402
 
@@ -40,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--chat-template-kwargs",
-        type=json.loads,
+        type=json_object_arg,
         default=None,
         help="JSON passed to apply_chat_template, e.g. '{\"enable_thinking\": false}'",
     )

@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="draws the passages and the instructions")
     add_debug_flag(parser)
     args = parser.parse_args(argv)
+    for flag, value in (("--num-train", args.num_train), ("--num-heldout", args.num_heldout)):
+        if value < 1:
+            parser.error(f"{flag} must be >= 1, got {value}")
     print(json.dumps(build_real_prompts(args.out, args.num_train, args.num_heldout, args.seed)))
     return 0
 

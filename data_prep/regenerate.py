@@ -17,7 +17,7 @@ import json
 import logging
 from pathlib import Path
 
-from dflash2.config import require_path, torch_dtype
+from dflash2.config import json_object_arg, require_path, torch_dtype
 from dflash2.data.regenerate import LocalTargetGenerator, ServerGenerator, regenerate_file
 from dflash2.errors import add_debug_flag, exit_process, run_main
 
@@ -41,7 +41,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=1024, help="longest reply, in tokens")
     parser.add_argument(
         "--chat-template-kwargs",
-        type=json.loads,
+        type=json_object_arg,
         default=None,
         help="JSON for the chat template, e.g. '{\"enable_thinking\": false}' (local rendering and server)",
     )
@@ -93,6 +93,10 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if args.overrides and not args.capture_config:
         parser.error(f"unexpected arguments {args.overrides} (key=value overrides need --capture-config)")
     require_path(args.input, "--input", "file", "a training_jsonl file")
+    if Path(args.out).is_dir():
+        parser.error(f"--out {args.out} is a directory: give the JSONL file to write")
+    if Path(args.out).resolve() == Path(args.input).resolve():
+        parser.error("--out is --input: give another file (the replies are written beside the prompts)")
     if args.target:
         require_path(args.target, "--target", "dir", "the target's local model directory")
 

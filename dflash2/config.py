@@ -174,7 +174,7 @@ class TrainConfig(OptimConfig):
 
 
 class RunConfig(_Section):
-    output_dir: str
+    output_dir: str = Field(min_length=1)
     backend: BackendName = "deepspeed"
     topology: Literal["colocated", "disaggregated"] = "colocated"
     capture_ranks: int = Field(0, ge=0)
@@ -329,6 +329,22 @@ def read_json_object(path: Path, name: str) -> dict:
         raise ValueError(f"{name} is not valid JSON ({error}); fix the file") from None
     if not isinstance(value, dict):
         raise ValueError(f"{name}: expected a JSON object, found {type(value).__name__}")
+    return value
+
+
+def json_object_arg(text: str) -> dict:
+    """An argparse `type` for a JSON object option (--chat-template-kwargs): the dict, or argparse's
+    usage error (exit 2) for bad JSON or another JSON value."""
+    import argparse
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({error.msg})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: give a JSON object, e.g. '{{\"enable_thinking\": false}}'"
+        )
     return value
 
 

@@ -81,6 +81,12 @@ def backbone_fields(text: dict, choices: DraftChoices) -> dict:
     rope_theta = flag_or(choices.rope_theta, target_rope)
     if rope_theta is None:
         raise ValueError("the target's config has no rope_theta; pass --rope-theta")
+    for flag, value in (
+        ("--rope-theta", choices.rope_theta),
+        ("--max-position-embeddings", choices.max_position_embeddings),
+    ):
+        if value is not None and not value > 0:
+            raise ValueError(f"{flag} {value}: must be > 0")
     dtype = text.get("dtype") or text.get("torch_dtype") or "float32"
     if choices.sliding_window < 0:
         raise ValueError(
@@ -181,6 +187,10 @@ def load_tokenizer(target_dir: Path):
 
 def choose_mask_token(target_dir: Path, tokenizer, text: dict, choices: DraftChoices):
     """(token written into the config or None, its id, a one-line note)."""
+    if choices.mask_token_id is not None and choices.mask_token is not None:
+        raise ValueError("give --mask-token or --mask-token-id, not both")
+    if choices.mask_token_id is not None and choices.mask_token_id < 0:
+        raise ValueError(f"--mask-token-id {choices.mask_token_id}: give a token id >= 0")
     if choices.mask_token_id is not None:
         if tokenizer is not None:
             refuse_reserved(

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from dflash2.checkpoint import holds_draft
-from dflash2.config import PRECISIONS, require_path, torch_dtype
+from dflash2.config import PRECISIONS, json_object_arg, require_path, torch_dtype
 from dflash2.data.jsonl import SampleError, iter_lines, parse_sample, prompt_turns
 from dflash2.data.render import encode_prompt, stop_token_ids
 from dflash2.decode import (
@@ -399,7 +399,7 @@ def load_models(
     """(draft, target, head, tokenizer) in eval mode, their weights laid out for decoding
     (`dflash2.target.state.use_decoding_layout`) unless `decoding_layout` is False."""
     target, head, tokenizer = load_target(target_dir, device, dtype)
-    draft = load_draft_for(target, draft_dir, device, dtype)
+    draft = load_draft_for(target, draft_dir, device, dtype, tokenizer)
     if decoding_layout:
         use_decoding_layout(target, draft, head)
     return draft, target, head, tokenizer
@@ -415,14 +415,21 @@ def load_target(target_dir: str | Path, device: str = "cpu", dtype=torch.float32
 
 
 def load_draft_for(
-    target: nn.Module, draft_dir: str | Path, device: str = "cpu", dtype=torch.float32
+    target: nn.Module, draft_dir: str | Path, device: str = "cpu", dtype=torch.float32, tokenizer=None
 ) -> DFlashDraftModel:
     """The export at `draft_dir`, in `dtype` on `device`, refused when built for another target (its
-    hidden size, vocabulary or depth) or for a family whose head the draft cannot borrow."""
+    hidden size, vocabulary or depth, the mask token of `tokenizer`) or for a family whose head the
+    draft cannot borrow."""
     draft = load_draft(draft_dir, dtype=dtype).to(device)
-    problems = validate_draft_config(load_config_dict(draft_dir), target_config=target.config)
+    source = Path(draft_dir) / "config.json"
+    problems = validate_draft_config(
+        load_config_dict(draft_dir), tokenizer=tokenizer, target_config=target.config, source=source
+    )
     if problems:  # load_draft refused every problem of the config alone: these are the target's
-        raise ValueError(f"the draft {draft_dir} does not fit the target: " + "; ".join(problems))
+        raise ValueError(
+            f"the draft {draft_dir} does not fit the target: {'; '.join(problems)}. A draft is evaluated "
+            "with the target (and tokenizer) it was trained for"
+        )
     return draft
 
 
@@ -552,7 +559,7 @@ def load_for_evaluation(
     """(target, head, tokenizer, drafts): each draft refused unless it fits the target, all laid out
     for decoding."""
     target, head, tokenizer = load_target(target_dir, device, dtype)
-    drafts = [load_draft_for(target, d, device, dtype) for d in draft_dirs]
+    drafts = [load_draft_for(target, d, device, dtype, tokenizer) for d in draft_dirs]
     use_decoding_layout(target, head, *drafts)
     return target, head, tokenizer, drafts
 
@@ -630,7 +637,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--chat-template-kwargs",
-        type=json.loads,
+        type=json_object_arg,
         default=None,
         help="JSON for the prompt's chat template, e.g. '{\"enable_thinking\": false}' (match the server; "
         "default: what the training run used, from the export's training_run.json)",

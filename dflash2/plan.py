@@ -455,8 +455,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_debug_flag(parser)
     args = parser.parse_intermixed_args(argv)  # overrides may follow the options
-    if args.write_gb_per_s <= 0:
-        raise ValueError(f"--write-gb-per-s must be > 0, got {args.write_gb_per_s}")
+    for flag, value in (("--write-gb-per-s", args.write_gb_per_s), ("--device-gb", args.device_gb)):
+        if not (math.isfinite(value) and value > 0):  # nan compared as fitting, a negative as not
+            raise ValueError(f"{flag} must be a number > 0, got {value}")
     cfg = load_run_config(args.config, args.overrides)
     target_config = load_target_config(args.target_config or cfg.model.target)
     plan = plan_run(cfg, world_size=args.world_size, target_config=target_config, device_gb=args.device_gb)

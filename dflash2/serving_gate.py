@@ -256,6 +256,8 @@ def run_gate(
     """
     if steps < 1:
         raise ValueError(f"--steps must be >= 1, got {steps}")
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
     base = load_run_config(config_path, list(overrides))
     gate_dir = Path(base.output_dir) / GATE_DIR_NAME
     result_path = Path(out_json) if out_json is not None else gate_dir / RESULT_NAME

@@ -36,9 +36,23 @@ def read_stamp(root: Path) -> str | None:
     return json.loads(stamp_file.read_text()).get("stamp")
 
 
+def check_build_root(root: Path) -> None:
+    """A build replaces `root` whole: refuse a file, or a directory with files but no stamp (not an
+    earlier build: `--out runs` would have lost the runs)."""
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"{root} is a file: give a directory for the build")
+    if root.is_dir() and any(root.iterdir()) and not (root / STAMP_FILE).is_file():
+        raise ValueError(
+            f"{root} holds files and is not an earlier build (no {STAMP_FILE}), and a build replaces its "
+            "directory whole: give a new directory"
+        )
+
+
 def build_once(root: str | Path, stamp: str, build: Callable[[Path], None], force: bool = False) -> Path:
-    """`root`, built by `build(staging)` unless its stamp already is `stamp` (or `force`)."""
+    """`root`, built by `build(staging)` unless its stamp already is `stamp` (or `force`); refused
+    where `root` is not an earlier build (check_build_root)."""
     root = Path(root).resolve()
+    check_build_root(root)
     root.parent.mkdir(parents=True, exist_ok=True)
     with open(root.parent / f".{root.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # held until the with-block closes the file

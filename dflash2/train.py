@@ -28,7 +28,7 @@ from dflash2.checkpoint import (
     set_aside_later_checkpoints,
 )
 from dflash2.config import RunConfig, torch_dtype
-from dflash2.data.loader import StepBatch, anchor_generators, collate, step_batches
+from dflash2.data.loader import StepBatch, anchor_generators, check_one_global_batch, collate, step_batches
 from dflash2.distributed import Backend
 from dflash2.errors import ReportedError
 from dflash2.export import export_draft
@@ -147,8 +147,10 @@ def build_setup(plan: RunPlan, backend: Backend, features: FeatureSource | None 
         summary = init_from_target(draft, cfg.model.target, plan.target_config, cfg.model.init_target_layers)
         if backend.is_main:
             print(f"[dflash2] {summary}", flush=True)
-    target, head = build_target(plan, backend, load_full=features is None)
     dataset = plan.dataset(backend.is_main)
+    t = cfg.train  # before the target loads and anything is written (fit's first step would find it)
+    check_one_global_batch(len(dataset), t.micro_batch_size, t.grad_accum_steps, backend.draft_world_size)
+    target, head = build_target(plan, backend, load_full=features is None)
     if isinstance(features, OfflineFeatures):
         features.check_samples(dataset)
     if cfg.objective.loss_vocab_size is not None:

@@ -370,3 +370,45 @@ def test_after_a_forwarded_signal_the_launcher_exits_with_its_workers_code(tmp_p
     assert proc.returncode == worker_code, stderr[-3000:]
     said = "they stopped with a checkpoint" if worker_code == 75 else "they failed (exit codes [1, 1])"
     assert f"[dflash2] launcher: SIGTERM forwarded to the workers; {said}" in stderr, stderr[-3000:]
+
+
+def test_more_refusals_that_were_tracebacks_silent_or_destructive(
+    monkeypatch, capsys, tiny_default, tmp_path
+):
+    """Each was a traceback, a success that wrote nothing usable, or (the builds) lost a directory."""
+    target, data = str(tiny_default.target_dir), str(tiny_default.train_jsonl)
+    kept = tmp_path / "runs"  # a directory of the user's, given as a build's --out
+    (kept / "notes.txt").parent.mkdir()
+    (kept / "notes.txt").write_text("mine")
+    no_reply = tmp_path / "no-reply.jsonl"
+    no_reply.write_text('{"id": "a", "conversations": [{"role": "user", "content": "hi"}]}\n')
+    prepare = ["--tokenizer", target, "--out", str(tmp_path / "p"), "--max-length", "64"]
+    usage = {  # argparse's usage errors: exit 2, "prog: error: ..."
+        "data_prep/prepare.py": ([*prepare, "--input", data, "--chat-template-kwargs", "[1]"], "give a JSON object"),
+        "data_prep/regenerate.py": (["--input", data, "--out", data, "--target", target], "--out is --input"),
+        "data_prep/real_prompts.py": (["--out", str(tmp_path / "rp"), "--num-train", "0"], "--num-train must be >= 1"),
+    }  # fmt: skip
+    for tool, (arguments, fragment) in usage.items():
+        code, stderr = run_cli(monkeypatch, capsys, tool, arguments)
+        assert code == EXIT_USER_ERROR and fragment in stderr and "Traceback" not in stderr, (tool, stderr)
+    cases = {
+        "data_prep/build_tiny_default.py": (["--out", str(kept)], "holds files and is not an earlier build"),
+        "data_prep/prepare.py": ([*prepare, "--input", str(no_reply)], "no conversation of"),
+        "dflash2.plan": (["configs/tiny-dflash2.yaml", "--world-size", "1", "--device-gb", "nan"], "--device-gb must be a number > 0, got nan"),
+        "dflash2.serving_gate": (["--config", str(TINY_CONFIG), "--data", data, "--max-new-tokens", "0", f"model.target={target}"], "--max-new-tokens must be >= 1"),
+    }  # fmt: skip
+    for tool, (arguments, fragment) in cases.items():
+        code, stderr = run_cli(monkeypatch, capsys, tool, arguments)
+        assert_one_message(code, stderr, fragment)
+    assert sorted(p.name for p in kept.iterdir()) == ["notes.txt"]  # before: replaced by a tiny build
+    assert not (tmp_path / "p").exists()
+    # a dataset smaller than one global batch: refused before the target loads or anything is written
+    small = tmp_path / "small.jsonl"
+    small.write_text("".join(open(data).readlines()[:3]))
+    run_dir = tmp_path / "run"
+    overrides = [f"model.target={target}", f"data.train={small}", f"output_dir={run_dir}", "backend=local"]
+    code, stderr = run_cli(monkeypatch, capsys, "launch/train.py", ["--config", str(TINY_CONFIG), *overrides])
+    assert_one_message(
+        code, stderr, "the dataset has 3 samples, fewer than one global batch", "give more data"
+    )
+    assert sorted(p.name for p in run_dir.iterdir()) == [".run.lock"]  # before: config.yaml, metrics, tb

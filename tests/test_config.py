@@ -305,6 +305,15 @@ VALIDATION_CASES = {
     "layer id negative": (_nested(target_layer_ids=[-1, 3]), "target_layer_ids[0]=-1: out of range"),
     "layer id not int": (_nested(target_layer_ids=[1, "3"]), "target_layer_ids[1]='3': must be an int"),
     "layer ids empty": (_nested(target_layer_ids=[]), "target_layer_ids=[]"),
+    # SGLang collects the target's layers in order, once each: another order or a repeat is served wrong
+    "layer ids out of order": (
+        _nested(target_layer_ids=[4, 3, 1]),
+        "target_layer_ids=[4, 3, 1]: must be strictly increasing (SGLang collects the target's layers in order, once each): write [1, 3, 4]",
+    ),
+    "layer id repeated": (
+        _nested(target_layer_ids=[1, 1, 4]),
+        "target_layer_ids=[1, 1, 4]: must be strictly increasing",
+    ),
     "layer ids absent": (_nested(target_layer_ids=_DELETE), "target_layer_ids=None"),
     "num_target_layers absent": (
         lambda cfg: (cfg.pop("num_target_layers"), cfg["dflash_config"].pop("num_target_layers")),

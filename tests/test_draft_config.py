@@ -222,6 +222,16 @@ def test_refusals_are_one_message_exit_2(smollm2, tiny_default, tmp_path, capsys
     assert "--sliding-window -5: give a window of tokens, or 0 for full attention" in refusal(
         capsys, *v2, "--sliding-window", "-5"
     )  # before: written as full attention
+    for flags, message in [
+        (["--mask-token-id", "-1"], "--mask-token-id -1: give a token id >= 0"),  # before: OverflowError
+        (
+            ["--mask-token", "<|im_start|>", "--mask-token-id", "4"],
+            "give --mask-token or --mask-token-id, not both",
+        ),
+        (["--rope-theta", "-1"], "--rope-theta -1.0: must be > 0"),  # before: a NaN loss at step 1
+        (["--max-position-embeddings", "0"], "--max-position-embeddings 0: must be > 0"),
+    ]:
+        assert message in refusal(capsys, *v2, *flags), flags
     a_dir = tmp_path / "a-dir"
     a_dir.mkdir()
     v2_into_dir = ["--target", str(smollm2.target_dir), "--arch", "DFlash2DraftModel", "--out", str(a_dir)]

@@ -171,7 +171,7 @@ def test_oracle_draft_gets_full_blocks(target, head, monkeypatch):
     assert produced == len(PROMPT) + 36  # the draft always saw the features of every committed position
 
 
-def test_a_draft_of_another_target_is_refused_with_what_differs(target, tmp_path):
+def test_a_draft_of_another_target_is_refused_with_what_differs(target, tiny_default, tmp_path):
     """The vocabularies agree; the depth does not (a draft that would run, reading the wrong layers)."""
     from dflash2.export import export_draft
 
@@ -186,6 +186,20 @@ def test_a_draft_of_another_target_is_refused_with_what_differs(target, tmp_path
     (deeper / "model.safetensors").write_bytes((tmp_path / "fits" / "model.safetensors").read_bytes())
     with pytest.raises(ValueError, match=f"does not fit the target: num_target_layers={NUM_LAYERS + 2} but"):
         ev.load_draft_for(target, deeper)
+    # and against the tokenizer: a mask token other than its own (refused by training and export --check,
+    # where evaluation decoded with it)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_default.target_dir)
+    mask_id = tokenizer.convert_tokens_to_ids("<|mask|>")
+    cfg = json.loads((tmp_path / "fits" / "config.json").read_text())
+    for mask in (mask_id, mask_id + 1):
+        cfg["dflash_config"].update(mask_token_id=mask, mask_token=None)
+        (deeper / "config.json").write_text(json.dumps(cfg))
+        if mask == mask_id:
+            ev.load_draft_for(target, deeper, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match=f"mask_token_id={mask_id + 1}.*deeper/config.json.*trained for"):
+        ev.load_draft_for(target, deeper, tokenizer=tokenizer)
 
 
 def test_prompt_lookup_proposal_copies_what_followed_the_latest_match():

@@ -107,12 +107,7 @@ def micro_batches(
     """Data-parallel rank `rank`'s micro-batches in the deterministic order, endlessly, from
     optimizer step `start_step` of `epoch` on (a checkpoint's data position). Yields (epoch, steps
     of the epoch done once this micro-batch's step is, sample indices)."""
-    global_batch = batch_size * grad_accum_steps * num_ranks
-    if num_samples < global_batch:
-        raise ValueError(
-            f"the dataset has {num_samples} samples, fewer than one global batch (micro_batch_size "
-            f"{batch_size} x grad_accum_steps {grad_accum_steps} x {num_ranks} ranks)"
-        )
+    check_one_global_batch(num_samples, batch_size, grad_accum_steps, num_ranks)
     while True:
         order = epoch_order(num_samples, seed, epoch)
         batches = rank_batches(order, batch_size, rank, num_ranks, grad_accum_steps, start_step)
@@ -129,6 +124,17 @@ class StepBatch:
     epoch: int
     step_in_epoch: int
     micro: list[list[int]]
+
+
+def check_one_global_batch(num_samples: int, batch_size: int, grad_accum_steps: int, num_ranks: int) -> None:
+    """A step draws one global batch of distinct samples: the dataset must hold one."""
+    global_batch = batch_size * grad_accum_steps * num_ranks
+    if num_samples < global_batch:
+        raise ValueError(
+            f"the dataset has {num_samples} samples, fewer than one global batch (micro_batch_size "
+            f"{batch_size} x grad_accum_steps {grad_accum_steps} x {num_ranks} ranks): give more data, or "
+            "a smaller train.micro_batch_size or train.global_batch_size"
+        )
 
 
 def step_batches(

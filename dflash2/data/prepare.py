@@ -161,6 +161,12 @@ def prepare_dataset(
     if tally.num_lines == 0:
         raise ValueError(f"{jsonl_path} holds no conversation (it is empty): give a training_jsonl file")
     tally.finish()
+    if not rows["id"]:
+        reasons = ", ".join(f"{reason} x{count}" for reason, count in sorted(tally.drops.items()))
+        raise ValueError(
+            f"no conversation of {jsonl_path} can be trained on ({reasons}; each line's reason is "
+            "logged above): fix the data or the settings those reasons name"
+        )
     summary = _summary(jsonl_path, max_length, chat_template_kwargs, rows, tally)
     summary.update(duplicates_policy=duplicates)
     return datasets.Dataset.from_dict(rows, features=FEATURES), summary

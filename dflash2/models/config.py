@@ -473,6 +473,11 @@ def _check_block_and_layers(cfg: dict, problems: list[str]) -> None:
                 f"dflash_config.target_layer_ids[{index}]={layer_id}: out of range [0, {num_target_layers}) "
                 f"(num_target_layers={num_target_layers}); use ids of existing target layers"
             )
+    if all(_is_int(i) for i in layer_ids) and any(a >= b for a, b in zip(layer_ids, layer_ids[1:])):
+        problems.append(
+            f"dflash_config.target_layer_ids={layer_ids}: must be strictly increasing (SGLang collects the "
+            f"target's layers in order, once each): write {sorted(set(layer_ids))} and train with it"
+        )
 
 
 def _check_mask_token(cfg: dict, tokenizer: Any, problems: list[str], source: Any = None) -> None:
