@@ -125,7 +125,9 @@ def dflash_fields(cfg: dict, choices: DraftChoices, mask_token: str | None, mask
     hidden, num_target_layers = cfg["hidden_size"], cfg["num_target_layers"]
     layer_ids = choices.target_layer_ids
     if layer_ids is None:
-        layer_ids = default_target_layer_ids(num_target_layers, choices.num_layers)
+        # the servers' spread, each layer once: on a shallow target it repeats ids, which a server
+        # collects once each (5 draft layers over 6 target layers: [1, 2, 2, 2, 3] -> [1, 2, 3])
+        layer_ids = sorted(set(default_target_layer_ids(num_target_layers, choices.num_layers)))
     arch = ARCHITECTURES[choices.architecture]
     fields: dict[str, Any] = {"block_size": choices.block_size}
     if arch.conv:

@@ -199,10 +199,10 @@ def test_truncation_and_untrainable_samples_are_counted(tiny_tokenizer, tmp_path
     first_reply_token = full_mask.index(1)
     path = _write_jsonl(tmp_path / "short.jsonl", [VALID])
 
-    # One supervised token left after truncation: no anchor with a label after it.
-    dataset, summary = prepare_dataset(path, tiny_tokenizer, max_length=first_reply_token + 1)
-    assert len(dataset) == 0 and summary["dropped_by_reason"] == {"no_trainable_block": 1}
-    assert summary["num_truncated"] == 0  # of the kept samples (it counted this dropped one before)
+    # One supervised token left after truncation: no anchor with a label after it, and so no sample
+    # to train on at all (an empty dataset that training then failed on with an IndexError)
+    with pytest.raises(ValueError, match=r"can be trained on \(no_trainable_block x1; each line's reason"):
+        prepare_dataset(path, tiny_tokenizer, max_length=first_reply_token + 1)
 
     dataset, summary = prepare_dataset(path, tiny_tokenizer, max_length=first_reply_token + 2)
     assert summary["num_kept"] == 1 and dataset[0]["loss_mask"] == full_mask[: first_reply_token + 2]

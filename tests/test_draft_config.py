@@ -232,6 +232,19 @@ def test_refusals_are_one_message_exit_2(smollm2, tiny_default, tmp_path, capsys
         (["--max-position-embeddings", "0"], "--max-position-embeddings 0: must be > 0"),
     ]:
         assert message in refusal(capsys, *v2, *flags), flags
+    # explicit ids must increase; the default spread of 5 draft layers over the tiny target's 6 repeats
+    # ids ([1, 2, 2, 2, 3]), which a server collects once each: written once each
+    tiny = [
+        "--target",
+        str(tiny_default.target_dir),
+        "--arch",
+        "DFlash2DraftModel",
+        "--out",
+        str(tmp_path / "t.json"),
+    ]
+    assert "must be strictly increasing" in refusal(capsys, *tiny, "--target-layer-ids", "3,1")
+    assert run_main(draft_config.main, [*tiny, "--num-layers", "5"]) == 0
+    assert json.loads((tmp_path / "t.json").read_text())["dflash_config"]["target_layer_ids"] == [1, 2, 3]
     a_dir = tmp_path / "a-dir"
     a_dir.mkdir()
     v2_into_dir = ["--target", str(smollm2.target_dir), "--arch", "DFlash2DraftModel", "--out", str(a_dir)]

@@ -6,7 +6,7 @@ preparation (`on_error="fail"`). A conversation whose prompt alone fills `max_le
 (truncated) loss mask has no two consecutive supervised tokens, cannot form a single training block:
 it is dropped. A conversation equal to an earlier one (same turns, whatever its id) is a duplicate:
 reported, and kept (`duplicates="keep"`, the default) or dropped. An input without a single
-conversation is an error. The summary counts kept, dropped by reason, and duplicates.
+conversation, or without one that can be trained on, is an error. The summary counts kept, dropped by reason, and duplicates.
 
 A reply that carries `token_ids` (written by regeneration with a local target) trains on those ids,
 not on its re-tokenised text; a sample whose text does not re-tokenise to its ids is kept, counted
@@ -158,15 +158,7 @@ def prepare_dataset(
         rows["id"].append(sample.id)
         rows["input_ids"].append(input_ids)
         rows["loss_mask"].append(loss_mask)
-    if tally.num_lines == 0:
-        raise ValueError(f"{jsonl_path} holds no conversation (it is empty): give a training_jsonl file")
-    tally.finish()
-    if not rows["id"]:
-        reasons = ", ".join(f"{reason} x{count}" for reason, count in sorted(tally.drops.items()))
-        raise ValueError(
-            f"no conversation of {jsonl_path} can be trained on ({reasons}; each line's reason is "
-            "logged above): fix the data or the settings those reasons name"
-        )
+    _check_kept(jsonl_path, tally, len(rows["id"]))
     summary = _summary(jsonl_path, max_length, chat_template_kwargs, rows, tally)
     summary.update(duplicates_policy=duplicates)
     return datasets.Dataset.from_dict(rows, features=FEATURES), summary
@@ -179,6 +171,19 @@ def _check_options(on_error: str, duplicates: str, max_length: int) -> None:
         raise ValueError(f"duplicates must be 'keep' or 'drop', got {duplicates!r}")
     if max_length < 2:
         raise ValueError(f"max_length must be at least 2 (one anchor and one label), got {max_length}")
+
+
+def _check_kept(jsonl_path, tally: _Tally, num_kept: int) -> None:
+    """An empty file, or one none of whose conversations can be trained on, is an error."""
+    if tally.num_lines == 0:
+        raise ValueError(f"{jsonl_path} holds no conversation (it is empty): give a training_jsonl file")
+    tally.finish()
+    if not num_kept:
+        reasons = ", ".join(f"{reason} x{count}" for reason, count in sorted(tally.drops.items()))
+        raise ValueError(
+            f"no conversation of {jsonl_path} can be trained on ({reasons}; each line's reason is "
+            "logged above): fix the data or the settings those reasons name"
+        )
 
 
 def _fit(input_ids: list[int], loss_mask: list[int], max_length: int) -> tuple[list[int], list[int]]:
