@@ -44,6 +44,8 @@ def main(argv: list[str] | None = None) -> int:
     add_debug_flag(parser)
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides of the run config")
     args = parser.parse_args(argv)
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        parser.error(f"--out {args.out} is a file: give a directory for the features")
     cfg = load_run_config(args.config, args.overrides)
     check_run_paths(cfg)
     batch_size = cfg.train.micro_batch_size if args.batch_size is None else args.batch_size

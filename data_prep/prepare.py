@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_debug_flag(parser)
     args = parser.parse_args(argv)
+    if Path(args.out).exists() and not Path(args.out).is_dir():
+        parser.error(f"--out {args.out} is a file: give a directory for the prepared dataset")
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
     require_path(args.input, "--input", "file", "a training_jsonl file")
     require_path(args.tokenizer, "--tokenizer", "dir", "the target's local model directory")

@@ -472,7 +472,7 @@ def load_checkpoint(
             "draft, optimizer and data position are re-cut; per-rank RNG states stay as at start-up"
         )
     backend.barrier()
-    return json.loads((ckpt_dir / TRAIN_STATE).read_text())
+    return _checkpoint_json(Path(ckpt_dir), TRAIN_STATE)
 
 
 def check_resume(ckpt_dir: Path, contract: dict) -> None:
@@ -492,7 +492,7 @@ def check_complete(ckpt_dir: Path) -> None:
 
 def read_contract(ckpt_dir: Path) -> dict:
     """The contract a checkpoint was written under (contract.json): the run's settings it holds."""
-    return json.loads((Path(ckpt_dir) / CONTRACT).read_text())
+    return _checkpoint_json(Path(ckpt_dir), CONTRACT)
 
 
 def resume_point(resume: str, run_dir: Path) -> Path | None:
@@ -513,7 +513,23 @@ def read_train_state(ckpt_dir: Path | None) -> TrainState:
     """The train state saved in `ckpt_dir` (no collective, nothing restored); a fresh one for None."""
     if ckpt_dir is None:
         return TrainState()
-    return TrainState(**json.loads((Path(ckpt_dir) / TRAIN_STATE).read_text()))
+    return TrainState(**_checkpoint_json(Path(ckpt_dir), TRAIN_STATE))
+
+
+def _checkpoint_json(ckpt_dir: Path, name: str) -> dict:
+    """A JSON file of a checkpoint; missing or malformed (a damaged checkpoint) is a ValueError naming
+    it and the way on."""
+    damaged = f"checkpoint {ckpt_dir} is damaged"
+    fix = "resume from an earlier checkpoint (train.resume=<its directory>), or start over with train.resume=none"
+    try:
+        value = json.loads((ckpt_dir / name).read_text())
+    except FileNotFoundError:
+        raise ValueError(f"{damaged}: it has no {name}; {fix}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{damaged}: its {name} is not valid JSON ({error}); {fix}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{damaged}: its {name} holds no JSON object; {fix}")
+    return value
 
 
 def holds_draft(path: Path) -> bool:

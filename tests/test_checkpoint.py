@@ -548,3 +548,26 @@ def test_a_contract_from_before_a_field_joined_it_reads_as_its_default():
     with pytest.raises(ValueError) as err:
         validate_contract(new, {**new, "max_length": 256, "duplicates": "keep"})
     assert "To resume, add these overrides: data.duplicates=drop data.max_length=512" in str(err.value)
+
+
+def test_a_damaged_checkpoints_json_is_named_with_the_way_on(tmp_path):
+    """A checkpoint whose train state or contract is missing or torn (a copy cut short, an edit):
+    one message naming the checkpoint and the file, where a raw JSON or FileNotFound error came."""
+    from dflash2.checkpoint import read_contract, read_train_state
+
+    ckpt = tmp_path / "step_00000004"
+    ckpt.mkdir()
+    way_on = "resume from an earlier checkpoint (train.resume=<its directory>), or start over with train.resume=none"
+    with pytest.raises(
+        ValueError, match=f"checkpoint {ckpt} is damaged: it has no train_state.json; .*"
+    ) as missing:
+        read_train_state(ckpt)
+    assert str(missing.value).endswith(way_on)
+    (ckpt / "train_state.json").write_text('{"step": 4,')
+    with pytest.raises(
+        ValueError, match=r"damaged: its train_state.json is not valid JSON \(.*\); resume from"
+    ):
+        read_train_state(ckpt)
+    (ckpt / "contract.json").write_text("[1]")
+    with pytest.raises(ValueError, match="damaged: its contract.json holds no JSON object; resume from"):
+        read_contract(ckpt)

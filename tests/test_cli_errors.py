@@ -383,12 +383,14 @@ def test_more_refusals_that_were_tracebacks_silent_or_destructive(
     no_reply = tmp_path / "no-reply.jsonl"
     no_reply.write_text('{"id": "a", "conversations": [{"role": "user", "content": "hi"}]}\n')
     prepare = ["--tokenizer", target, "--out", str(tmp_path / "p"), "--max-length", "64"]
-    usage = {  # argparse's usage errors: exit 2, "prog: error: ..."
-        "data_prep/prepare.py": ([*prepare, "--input", data, "--chat-template-kwargs", "[1]"], "give a JSON object"),
-        "data_prep/regenerate.py": (["--input", data, "--out", data, "--target", target], "--out is --input"),
-        "data_prep/real_prompts.py": (["--out", str(tmp_path / "rp"), "--num-train", "0"], "--num-train must be >= 1"),
-    }  # fmt: skip
-    for tool, (arguments, fragment) in usage.items():
+    usage = [  # argparse's usage errors: exit 2, "prog: error: ..."
+        ("data_prep/prepare.py", [*prepare, "--input", data, "--chat-template-kwargs", "[1]"], "give a JSON object"),
+        ("data_prep/prepare.py", ["--tokenizer", target, "--out", data, "--max-length", "64", "--input", data], "is a file"),
+        ("data_prep/capture.py", ["--config", str(TINY_CONFIG), "--out", data], "is a file: give a directory for the features"),
+        ("data_prep/regenerate.py", ["--input", data, "--out", data, "--target", target], "--out is --input"),
+        ("data_prep/real_prompts.py", ["--out", str(tmp_path / "rp"), "--num-train", "0"], "--num-train must be >= 1"),
+    ]  # fmt: skip
+    for tool, arguments, fragment in usage:
         code, stderr = run_cli(monkeypatch, capsys, tool, arguments)
         assert code == EXIT_USER_ERROR and fragment in stderr and "Traceback" not in stderr, (tool, stderr)
     cases = {
