@@ -31,7 +31,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from dflash2.config import RunConfig
+from dflash2.config import RunConfig, read_json_object
 from dflash2.distributed.base import Backend
 from dflash2.distributed.state_io import check_backend_meta
 from dflash2.errors import ReportedError
@@ -521,15 +521,9 @@ def _checkpoint_json(ckpt_dir: Path, name: str) -> dict:
     it and the way on."""
     damaged = f"checkpoint {ckpt_dir} is damaged"
     fix = "resume from an earlier checkpoint (train.resume=<its directory>), or start over with train.resume=none"
-    try:
-        value = json.loads((ckpt_dir / name).read_text())
-    except FileNotFoundError:
-        raise ValueError(f"{damaged}: it has no {name}; {fix}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{damaged}: its {name} is not valid JSON ({error}); {fix}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"{damaged}: its {name} holds no JSON object; {fix}")
-    return value
+    if not (ckpt_dir / name).is_file():
+        raise ValueError(f"{damaged}: it has no {name}; {fix}")
+    return read_json_object(ckpt_dir / name, f"{damaged}: its {name}", fix)
 
 
 def holds_draft(path: Path) -> bool:

@@ -320,15 +320,15 @@ def require_path(path: str | Path, name: str, kind: str, what: str) -> Path:
     raise ValueError(f"{name}={str(path)!r}{where} {state}: give {what}")
 
 
-def read_json_object(path: Path, name: str) -> dict:
+def read_json_object(path: Path, name: str, fix: str = "fix the file") -> dict:
     """The JSON object in file `path`; a malformed file or another JSON value is a ValueError that
-    names it as `name` (e.g. "ds_config='ds.json'")."""
+    names it as `name` (e.g. "ds_config='ds.json'") and ends with `fix`."""
     try:
         value = json.loads(Path(path).read_text())
-    except json.JSONDecodeError as error:
-        raise ValueError(f"{name} is not valid JSON ({error}); fix the file") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise ValueError(f"{name} is not valid JSON ({error}); {fix}") from None
     if not isinstance(value, dict):
-        raise ValueError(f"{name}: expected a JSON object, found {type(value).__name__}")
+        raise ValueError(f"{name}: expected a JSON object, found {type(value).__name__}; {fix}")
     return value
 
 

@@ -569,5 +569,7 @@ def test_a_damaged_checkpoints_json_is_named_with_the_way_on(tmp_path):
     ):
         read_train_state(ckpt)
     (ckpt / "contract.json").write_text("[1]")
-    with pytest.raises(ValueError, match="damaged: its contract.json holds no JSON object; resume from"):
+    with pytest.raises(
+        ValueError, match="damaged: its contract.json: expected a JSON object, found list; resume from"
+    ):
         read_contract(ckpt)

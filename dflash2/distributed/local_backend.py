@@ -132,9 +132,9 @@ class LocalBackend(Backend):
         return self.draft
 
     def _masters(self) -> dict[str, torch.Tensor]:
-        """The draft's state dict, detached: its fp32 parameters, or in bf16 the fp32 masters (which
-        its state-dict hook puts in place of the working copies)."""
-        return {name: tensor.detach() for name, tensor in self._require_draft().state_dict().items()}
+        """The draft's state dict: its fp32 parameters, or in bf16 the fp32 masters (which its
+        state-dict hook puts in place of the working copies)."""
+        return self._require_draft().state_dict()
 
     def _require_draft(self) -> nn.Module:
         if self.draft is None:
