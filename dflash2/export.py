@@ -77,9 +77,14 @@ BORROWED_NAMES = ("embed_tokens", "lm_head")
 
 
 def export_config(cfg: dict, dtype: torch.dtype) -> dict:
-    """The config.json of an export: normalised, backbone fields explicit, dtype fields naming ``dtype``."""
-    out = normalize_draft_config(cfg)
-    qwen = to_qwen3_config(out)
+    """The config.json of an export: normalised, backbone fields explicit, dtype fields naming ``dtype``.
+
+    transformers' generic fields at their defaults (``id2label``, ``return_dict``, ...: what
+    ``config.to_dict()`` adds and ``save_pretrained`` leaves out) are left out, so that an export's
+    config.json is the same whether it came from a module, a training run or a checkpoint.
+    """
+    qwen = to_qwen3_config(cfg)
+    out = normalize_draft_config(qwen.to_diff_dict())
     for key in EXPORT_BACKBONE_KEYS:
         out.setdefault(key, getattr(qwen, key))
     out.setdefault("rope_parameters", dict(qwen.rope_parameters))
@@ -226,7 +231,7 @@ def _state_and_config(
     if isinstance(model_or_state, torch.nn.Module):
         state = model_or_state.state_dict()
         if config is None:
-            config = model_or_state.config.to_diff_dict()
+            config = model_or_state.config.to_dict()
     else:
         state = model_or_state
     if config is None:

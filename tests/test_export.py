@@ -290,6 +290,32 @@ def test_export_cli_from_training_checkpoint(tmp_path):
     assert read_training_run(tmp_path / "again") == {"step": 1200}
 
 
+@pytest.mark.parametrize("path", [TINY_V1, TINY_V2])
+def test_every_export_path_writes_the_same_config(tmp_path, path):
+    """A module (its config), a training run's export (the config's to_dict(), which training keeps) and
+    a checkpoint (its draft_config.json) write one config.json, without transformers' generic fields."""
+    draft = random_draft(path, seed=0)
+    from_module = export_draft(draft, tmp_path / "module")
+    from_run = export_draft(draft.state_dict(), tmp_path / "run", config=draft.config.to_dict())
+    write_dir(
+        tmp_path / "ckpt",
+        draft.config.to_dict(),
+        draft.state_dict(),
+        config_name="draft_config.json",
+        weights_name="draft.safetensors",
+    )
+    (tmp_path / "ckpt" / "train_state.json").write_text(json.dumps({"step": 3}))
+    assert main([str(tmp_path / "ckpt"), str(tmp_path / "ckpt-export")]) == 0
+    written = [
+        json.loads((out / "config.json").read_text())
+        for out in (from_module, from_run, tmp_path / "ckpt-export")
+    ]
+    assert written[0] == written[1] == written[2]
+    for generic in ("id2label", "label2id", "return_dict", "output_hidden_states", "problem_type"):
+        assert generic not in written[0]
+    assert written[0]["dflash_config"] == load_config_dict(path)["dflash_config"]
+
+
 def test_export_cli_from_model_dir_with_prefix_and_top_level_fields(tmp_path, capsys):
     cfg = load_config_dict(TINY_V1)
     flat = {k: v for k, v in cfg.items() if k != "dflash_config"} | cfg["dflash_config"]
