@@ -9,10 +9,18 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    ValidationError,
+    model_validator,
+)
 
 PRECISIONS = ("fp32", "bf16")  # the precision names of a run config (and of the CLIs that take one)
 Precision = Literal[PRECISIONS]
@@ -50,6 +58,19 @@ BACKENDS = {
 BackendName = Literal[tuple(BACKENDS)]
 
 
+def _not_a_flag(value: Any) -> Any:
+    if isinstance(value, bool):  # pydantic reads true as 1: a YAML `max_steps: true` would train 1 step
+        raise ValueError(f"give a number, not {str(value).lower()}")
+    return value
+
+
+# The number and flag types of the sections: a number given as true/false and a flag given as a number
+# or a string are refused (pydantic's lax mode takes them), a number written as a string (YAML 1.1
+# reads `lr: 3e-4` as one) is read as the number.
+Int = Annotated[int, BeforeValidator(_not_a_flag)]
+Float = Annotated[float, BeforeValidator(_not_a_flag)]
+
+
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
@@ -61,7 +82,7 @@ class ModelConfig(_Section):
     # Start the draft from the target's weights (dflash2.target.draft_init): its layers from target
     # layers `init_target_layers` (default: the last n, n = the draft's layers), its final norm from
     # the target's, fc reading the deepest captured layer. Only at step 0; a resume loads its checkpoint.
-    init_from_target: bool = False
+    init_from_target: StrictBool = False
     init_target_layers: list[int] | None = None
 
     @model_validator(mode="after")
@@ -75,7 +96,7 @@ class ModelConfig(_Section):
 
 class DataConfig(_Section):
     train: str  # training_jsonl file, or a dataset directory written by data_prep/prepare.py
-    max_length: int = Field(2048, ge=8)
+    max_length: Int = Field(2048, ge=8)
     on_error: Literal["skip", "fail"] = "fail"
     duplicates: Literal["keep", "drop"] = "keep"  # conversations equal to an earlier one (reported)
     features_dir: str | None = None  # offline capture (data_prep/capture.py): train from saved features
@@ -85,30 +106,30 @@ class DataConfig(_Section):
 class ObjectiveSection(_Section):
     """The run config's objective keys; dflash2.objective.ObjectiveConfig adds what the draft fixes."""
 
-    num_anchors: int = Field(64, ge=1)
-    loss_gamma: float | None = Field(None, gt=0)  # slot k weighted exp(-(k-1)/gamma); None = uniform
-    selector_loss_alpha: float = Field(1.0, ge=0)
+    num_anchors: Int = Field(64, ge=1)
+    loss_gamma: Float | None = Field(None, gt=0)  # slot k weighted exp(-(k-1)/gamma); None = uniform
+    selector_loss_alpha: Float = Field(1.0, ge=0)
     selector_mode: Literal["insert", "strict"] = "insert"
     # what the selector loss trains: "backbone" = the selector and, through the slot states and their
     # unary logits, the draft's layers too; "selector" = the selector's own weights alone (the draft's
     # layers learn from the block loss only)
     selector_grad: Literal["backbone", "selector"] = "backbone"
-    logits_chunk_rows: int = Field(1024, ge=1)  # rows of [supervised slots, V] logits alive at once
-    coverage_top_k: int = Field(16, ge=1)  # top-k of the coverage metrics when the draft has no selector
+    logits_chunk_rows: Int = Field(1024, ge=1)  # rows of [supervised slots, V] logits alive at once
+    coverage_top_k: Int = Field(16, ge=1)  # top-k of the coverage metrics when the draft has no selector
     # the block loss: ce_weight * CE(label) + kl_weight * KL(p_target || q_draft) + tv_weight * TV,
     # each summed over the supervised slots with the position weights (docs/training.md)
-    ce_weight: float = Field(1.0, ge=0)
-    kl_weight: float = Field(0.0, ge=0)
-    tv_weight: float = Field(0.0, ge=0)
-    distill_temperature: float = Field(1.0, gt=0)  # p_target = softmax(target logits / T)
+    ce_weight: Float = Field(1.0, ge=0)
+    kl_weight: Float = Field(0.0, ge=0)
+    tv_weight: Float = Field(0.0, ge=0)
+    distill_temperature: Float = Field(1.0, gt=0)  # p_target = softmax(target logits / T)
     # slot weights: "gamma" = exp(-(k-1)/loss_gamma) (uniform when loss_gamma is null), "exponential" =
     # position_decay ** (k-1), "uniform" = 1
     position_weighting: Literal["gamma", "exponential", "uniform"] = "gamma"
-    position_decay: float = Field(0.8, gt=0, le=1)
+    position_decay: Float = Field(0.8, gt=0, le=1)
     # compute the loss over the K tokens most frequent among the training labels instead of the whole
     # vocabulary (a cheaper step: the head's matmuls and softmax shrink V -> K); slots whose label is
     # outside them are not supervised. The exported draft keeps the target's whole head. null: all V.
-    loss_vocab_size: int | None = Field(None, ge=1)
+    loss_vocab_size: Int | None = Field(None, ge=1)
     # the tokens the loss supervises: "replies" = the data's loss_mask (the assistant's replies);
     # "all" = every token of each sequence, the prompts too (with kl_weight / tv_weight the target's own
     # distribution is the teacher there, with ce_weight the text's next token; docs/training.md)
@@ -141,31 +162,31 @@ class ObjectiveSection(_Section):
 class OptimConfig(_Section):
     """AdamW, the LR schedule (dflash2.schedule) and clipping; keys of the `train` section."""
 
-    max_steps: int = Field(1000, ge=1)  # optimizer steps; the LR schedule spans them
-    lr: float = Field(6e-4, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    warmup_steps: int = Field(0, ge=0)  # a warmup longer than the run is allowed: the LR ramps throughout
+    max_steps: Int = Field(1000, ge=1)  # optimizer steps; the LR schedule spans them
+    lr: Float = Field(6e-4, gt=0)
+    weight_decay: Float = Field(0.0, ge=0)
+    warmup_steps: Int = Field(0, ge=0)  # a warmup longer than the run is allowed: the LR ramps throughout
     schedule: Literal["cosine", "constant"] = "cosine"
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    max_grad_norm: float = Field(1.0, gt=0)
+    min_lr_ratio: Float = Field(0.1, ge=0, le=1)
+    max_grad_norm: Float = Field(1.0, gt=0)
 
 
 class TrainConfig(OptimConfig):
     """The `train` section: the optimizer's keys (OptimConfig) and the loop's."""
 
-    micro_batch_size: int = Field(1, ge=1)
-    grad_accum_steps: int = Field(1, ge=1)
+    micro_batch_size: Int = Field(1, ge=1)
+    grad_accum_steps: Int = Field(1, ge=1)
     # sequences per optimizer step; when set, it decides grad_accum_steps (global_batch_size /
     # (micro_batch_size x data-parallel ranks)), so a job can resume on another number of GPUs
-    global_batch_size: int | None = Field(None, ge=1)
+    global_batch_size: Int | None = Field(None, ge=1)
     # end this launch early (with a checkpoint), e.g. a time-limited job
-    stop_at_step: int | None = Field(None, ge=1)
-    log_every: int = Field(10, ge=1)
-    save_every: int = Field(0, ge=0)  # 0: only the final checkpoint
-    keep_last: int = Field(3, ge=1)
+    stop_at_step: Int | None = Field(None, ge=1)
+    log_every: Int = Field(10, ge=1)
+    save_every: Int = Field(0, ge=0)  # 0: only the final checkpoint
+    keep_last: Int = Field(3, ge=1)
     resume: str = "auto"  # auto | none | <checkpoint dir>
-    export: bool = True  # write <output_dir>/export (HF, contract-exact) at the end
-    progress_bar: bool = True
+    export: StrictBool = True  # write <output_dir>/export (HF, contract-exact) at the end
+    progress_bar: StrictBool = True
 
     @property
     def last_step(self) -> int:
@@ -177,8 +198,8 @@ class RunConfig(_Section):
     output_dir: str = Field(min_length=1)
     backend: BackendName = "deepspeed"
     topology: Literal["colocated", "disaggregated"] = "colocated"
-    capture_ranks: int = Field(0, ge=0)
-    seed: int = 0
+    capture_ranks: Int = Field(0, ge=0)
+    seed: Int = 0
     precision: Precision = "fp32"
     ds_config: str = "ds_configs/zero3.json"
     model: ModelConfig
@@ -287,7 +308,8 @@ def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunCo
         return RunConfig.model_validate(tree)
     except ValidationError as err:
         lines = [
-            f"  {'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg']}{_suggestion(e)}" for e in err.errors()
+            f"  {'.'.join(map(str, e['loc'])) or '<root>'}: {e['msg'].removeprefix('Value error, ')}{_suggestion(e)}"
+            for e in err.errors()
         ]
         source = path or "overrides"
         raise ValueError(f"invalid run config ({source}):\n" + "\n".join(lines)) from None

@@ -206,6 +206,22 @@ def lock_run_dir(output_dir: str | Path, requeue_wait_s: float = REQUEUE_WAIT_S)
     return fd
 
 
+def release_run_dir(fd: int, output_dir: str | Path, created: bool) -> None:
+    """Let go of lock_run_dir's lock. A directory that the lock created (`created`) and that holds
+    nothing else (a run stopped by a user error before it wrote a file) is removed, lock and all, so
+    the error leaves nothing behind: the lock file is unlinked while still held, so that a run
+    starting meanwhile either finds it held or makes a new one."""
+    path = Path(output_dir)
+    try:
+        if created and [child.name for child in path.iterdir()] == [RUN_LOCK]:
+            (path / RUN_LOCK).unlink()
+            path.rmdir()
+    except OSError:
+        pass  # another run's files appeared meanwhile: the directory is theirs
+    finally:
+        os.close(fd)
+
+
 def exit_with_launcher() -> None:
     """Under a launcher (RANK in the environment this process started with: torchrun, the deepspeed
     launcher), have Linux send this process SIGTERM when the launcher dies. A plain `python` run

@@ -43,7 +43,14 @@ from dflash2.distributed import (
     distributed_run,
     init_distributed,
 )
-from dflash2.faults import REQUEUE_WAIT_S, collective_section, collective_timeout, lock_run_dir, stop_request
+from dflash2.faults import (
+    REQUEUE_WAIT_S,
+    collective_section,
+    collective_timeout,
+    lock_run_dir,
+    release_run_dir,
+    stop_request,
+)
 from dflash2.hardware import warn_if_slow_bf16
 from dflash2.identity import data_identity
 from dflash2.run_plan import RunPlan, resolve_run
@@ -71,6 +78,7 @@ def run_dir_held(cfg: RunConfig) -> Iterator[None]:
     store = dist.distributed_c10d._get_default_store()  # the job's rendezvous store (no public getter)
     key = f"{RUN_DIR_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # a store outlives a restart
     fd = None
+    created = not Path(cfg.output_dir).exists()
     if dist.get_rank() == 0:
         outcome = "rank 0 could not lock the output_dir (its log says why)"
         try:
@@ -89,7 +97,7 @@ def run_dir_held(cfg: RunConfig) -> Iterator[None]:
         yield
     finally:
         if fd is not None:
-            os.close(fd)
+            release_run_dir(fd, cfg.output_dir, created)
 
 
 def run_backend(

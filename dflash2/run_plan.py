@@ -22,7 +22,7 @@ from dflash2.data.loader import pad_token_id_of
 from dflash2.data.prepare import build_dataset, check_token_ids_in_vocab
 from dflash2.distributed.registry import check_backend_config
 from dflash2.identity import RunIdentity
-from dflash2.models.config import check_draft_config, load_config_dict, to_qwen3_config
+from dflash2.models.config import check_draft_config, load_config_dict, text_config_of, to_qwen3_config
 from dflash2.models.spec import DraftSpec
 from dflash2.objective import ObjectiveConfig
 
@@ -84,6 +84,22 @@ def build_contract(
     return {**draft, **run_contract(cfg, identity, global_batch_size(cfg, data_parallel_size))}
 
 
+def check_positions(cfg: RunConfig, target_config: PretrainedConfig, draft_config: PretrainedConfig) -> None:
+    """data.max_length within the positions the target and the draft were made for: past the target's
+    max_position_embeddings its features are of positions it never saw, and the draft would train
+    at positions its config (and a server's RoPE table) does not cover."""
+    for name, config, source in (
+        ("the target", text_config_of(target_config), f"{cfg.model.target}/config.json"),
+        ("the draft", draft_config, cfg.model.draft_config),
+    ):
+        limit = getattr(config, "max_position_embeddings", None)
+        if isinstance(limit, int) and cfg.data.max_length > limit:
+            raise ValueError(
+                f"data.max_length={cfg.data.max_length} is above {name}'s max_position_embeddings={limit} "
+                f"({source}); set data.max_length <= {limit}"
+            )
+
+
 def resolve_run(cfg: RunConfig, data_parallel_size: int = 1, *, check_data: bool = True) -> RunPlan:
     """The plan of run `cfg` (a RunConfig: `load_run_config(path, overrides)`) with `data_parallel_size`
     ranks training the draft (file reads only; the paths it reads are checked first). `check_data`:
@@ -109,6 +125,7 @@ def resolve_run(cfg: RunConfig, data_parallel_size: int = 1, *, check_data: bool
         source=cfg.model.draft_config,
     )
     draft_config = to_qwen3_config(source)
+    check_positions(cfg, target_config, draft_config)
     spec = DraftSpec.from_config(draft_config)
     identity = RunIdentity.of(cfg.model.target, cfg.data.train)
     resume_from = resume_point(cfg.train.resume, Path(cfg.output_dir))

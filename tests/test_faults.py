@@ -448,7 +448,7 @@ def test_a_killed_builds_lock_refuses_a_deepspeed_start_instead_of_hanging(commo
     assert run.returncode == EXIT_USER_ERROR, run.stdout[-2000:] + run.stderr[-3000:]
     assert f"error: {stale}: a build lock older than 15 min" in run.stderr
     assert "delete it and start again" in run.stderr and "Traceback" not in run.stderr
-    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not (tmp_path / "run").exists()  # the output_dir it made for its lock is gone with it
 
 
 def test_a_run_on_an_output_dir_another_run_holds_stops_at_start_naming_it(common, tmp_path):
@@ -477,6 +477,24 @@ def test_a_run_on_an_output_dir_another_run_holds_stops_at_start_naming_it(commo
     free = os.open(lock, os.O_RDONLY)
     fcntl.flock(free, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released when the run ended (raises if not)
     os.close(free)
+
+
+def test_a_released_lock_removes_the_directory_it_made_and_nothing_else(tmp_path):
+    """A user error before the run's first file leaves no output_dir holding only .run.lock; a directory
+    that existed, or that holds more than the lock, stays (lock file and all)."""
+    from dflash2.faults import RUN_LOCK, lock_run_dir, release_run_dir
+
+    made = tmp_path / "new" / "run"
+    release_run_dir(lock_run_dir(made), made, created=True)
+    assert not made.exists() and (tmp_path / "new").is_dir()  # the output_dir alone, not its parents
+    release_run_dir(lock_run_dir(made), made, created=False)  # a directory of the user's own
+    assert sorted(p.name for p in made.iterdir()) == [RUN_LOCK]
+    fd = lock_run_dir(tmp_path / "written")
+    (tmp_path / "written" / "config.yaml").write_text("seed: 0\n")
+    release_run_dir(fd, tmp_path / "written", created=True)
+    assert sorted(p.name for p in (tmp_path / "written").iterdir()) == [RUN_LOCK, "config.yaml"]
+    fd = lock_run_dir(made)  # released each time: taken again at once
+    os.close(fd)
 
 
 def test_a_requeued_slurm_job_waits_for_its_own_earlier_runs_lock_and_no_other(tmp_path, monkeypatch):

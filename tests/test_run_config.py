@@ -33,6 +33,18 @@ def test_overrides_are_typed_and_validated():
     assert cfg.train.lr == 1e-3 and cfg.objective.loss_gamma is None
 
 
+def test_a_yaml_number_without_a_dot_is_read_as_the_number(tmp_path):
+    # YAML 1.1 reads `lr: 3e-4` as the string "3e-4": still the number, and `export: yes` a flag
+    path = tmp_path / "run.yaml"
+    path.write_text((ROOT / "configs/tiny-dflash2.yaml").read_text() + "\n")
+    tree = yaml.safe_load(path.read_text())
+    tree["train"].update({"lr": "3e-4", "export": True})
+    path.write_text(yaml.safe_dump(tree).replace("'3e-4'", "3e-4").replace("export: true", "export: yes"))
+    assert yaml.safe_load(path.read_text())["train"]["lr"] == "3e-4"  # what YAML gives the config
+    cfg = load_run_config(path)
+    assert cfg.train.lr == 3e-4 and cfg.train.export is True
+
+
 @pytest.mark.parametrize(
     "override,message",
     [
@@ -44,6 +56,12 @@ def test_overrides_are_typed_and_validated():
         ("train.global_batch_size=0", "train.global_batch_size: Input should be greater than or equal to 1"),
         ("train.warmup_steps=-1", "train.warmup_steps"),
         ("train.max_steps", "must look like key=value"),
+        # true/false for a number, a number or a word for a flag: pydantic alone reads them as 1 and true
+        ("train.max_steps=true", "train.max_steps: give a number, not true"),
+        ("train.lr=false", "train.lr: give a number, not false"),
+        ("objective.num_anchors=true", "objective.num_anchors: give a number, not true"),
+        ("train.export=1", "train.export: Input should be a valid boolean"),
+        ("model.init_from_target=on_disk", "model.init_from_target: Input should be a valid boolean"),
     ],
 )
 def test_bad_values_name_the_key(override, message):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from transformers import AutoConfig, AutoTokenizer
 
@@ -117,4 +119,31 @@ def test_a_coverage_top_k_above_the_vocabulary_is_refused_before_a_step(tiny_def
     )
     cfg = tiny_config(tiny_default, "tiny-dflash.yaml", tmp_path / "run", "objective.coverage_top_k=1025")
     with pytest.raises(ValueError, match=r"coverage_top_k=1025 is above the target's vocabulary \(1024\)"):
+        resolve_run(cfg)
+
+
+def test_a_max_length_past_the_positions_of_the_target_or_the_draft_is_refused(tiny_default, tmp_path):
+    """The tiny target and its drafts are made for 2048 positions: a longer data.max_length would feed the
+    target positions it never saw and train the draft past its config's RoPE table."""
+    assert resolve_run(
+        tiny_config(tiny_default, "tiny-dflash2.yaml", tmp_path / "run", "data.max_length=2048")
+    )
+    cfg = tiny_config(tiny_default, "tiny-dflash2.yaml", tmp_path / "run", "data.max_length=2049")
+    with pytest.raises(
+        ValueError, match=r"data.max_length=2049 is above the target's max_position_embeddings=2048"
+    ):
+        resolve_run(cfg)
+    draft = load_config_dict(REPO / "configs/draft/tiny-dflash2.json") | {"max_position_embeddings": 1024}
+    (tmp_path / "draft.json").write_text(json.dumps(draft))
+    cfg = tiny_config(
+        tiny_default,
+        "tiny-dflash2.yaml",
+        tmp_path / "run",
+        "data.max_length=1500",
+        f"model.draft_config={tmp_path / 'draft.json'}",
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"above the draft's max_position_embeddings=1024 \(.*draft.json\); set data.max_length <= 1024",
+    ):
         resolve_run(cfg)
