@@ -9,9 +9,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from transformers import AutoTokenizer  # noqa: E402
 
-from dflash2.config import json_object_arg, require_path  # noqa: E402
+from dflash2.config import json_object_arg, load_tokenizer, require_path  # noqa: E402
 from dflash2.data.prepare import describe, prepare_dataset, save_prepared  # noqa: E402
 from dflash2.errors import add_debug_flag, exit_process, run_main  # noqa: E402
 
@@ -54,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     require_path(args.input, "--input", "file", "a training_jsonl file")
     require_path(args.tokenizer, "--tokenizer", "dir", "the target's local model directory")
 
-    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+    tokenizer = load_tokenizer(args.tokenizer, "--tokenizer")
     dataset, summary = prepare_dataset(
         args.input,
         tokenizer,

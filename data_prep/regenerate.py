@@ -17,7 +17,7 @@ import json
 import logging
 from pathlib import Path
 
-from dflash2.config import json_object_arg, require_path, torch_dtype
+from dflash2.config import json_object_arg, load_tokenizer, require_path, torch_dtype
 from dflash2.data.regenerate import LocalTargetGenerator, ServerGenerator, regenerate_file
 from dflash2.errors import add_debug_flag, exit_process, run_main
 
@@ -114,10 +114,8 @@ def _local_target(args: argparse.Namespace, dtype):
 
 
 def _local_generator(args: argparse.Namespace) -> LocalTargetGenerator:
-    from transformers import AutoTokenizer
-
+    tokenizer = load_tokenizer(args.target, "--target")
     model = _local_target(args, args.dtype if args.dtype == "auto" else torch_dtype(DTYPES[args.dtype]))
-    tokenizer = AutoTokenizer.from_pretrained(args.target)
     return LocalTargetGenerator(model, tokenizer, args.max_new_tokens, args.chat_template_kwargs)
 
 

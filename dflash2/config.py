@@ -342,6 +342,29 @@ def require_path(path: str | Path, name: str, kind: str, what: str) -> Path:
     raise ValueError(f"{name}={str(path)!r}{where} {state}: give {what}")
 
 
+# the files of which a model directory's tokenizer loads (any one: a fast tokenizer's tokenizer.json,
+# or the files a slow one is converted from)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def tokenizer_problems(directory: str | Path, name: str) -> list[str]:
+    """A model directory without any tokenizer file (transformers would ask for sentencepiece)."""
+    if any((Path(directory) / file).is_file() for file in TOKENIZER_FILES):
+        return []
+    return [
+        f"{name}={str(directory)!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the "
+        "model's tokenizer files into that directory"
+    ]
+
+
+def load_tokenizer(directory: str | Path, name: str):
+    """The tokenizer of a local model directory (`name`: the option that gave it, for the message)."""
+    _raise_all(tokenizer_problems(directory, name))
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(directory)
+
+
 def read_json_object(path: Path, name: str, fix: str = "fix the file") -> dict:
     """The JSON object in file `path`; a malformed file or another JSON value is a ValueError that
     names it as `name` (e.g. "ds_config='ds.json'") and ends with `fix`."""
@@ -380,6 +403,8 @@ def _model_path_problems(cfg: RunConfig) -> list[str]:
     problems = _problem(require_path, cfg.model.target, "model.target", "dir", model)
     if not problems and not (Path(cfg.model.target) / "config.json").is_file():
         problems.append(f"model.target={cfg.model.target!r} has no config.json: give {model}")
+    if not problems:
+        problems += tokenizer_problems(cfg.model.target, "model.target")
     return problems + _problem(
         require_path, cfg.model.draft_config, "model.draft_config", "file", "the draft's config.json"
     )

@@ -20,6 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from dflash2.config import TOKENIZER_FILES
 from dflash2.data.render import stop_token_ids
 from dflash2.errors import add_debug_flag, exit_process, run_main
 from dflash2.models.config import (
@@ -34,7 +35,6 @@ from dflash2.models.config import (
 )
 
 MAX_SELECTOR_RANK = 256
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
 @dataclass(frozen=True)

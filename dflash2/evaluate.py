@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from dflash2.checkpoint import holds_draft
-from dflash2.config import PRECISIONS, json_object_arg, require_path, torch_dtype
+from dflash2.config import PRECISIONS, json_object_arg, load_tokenizer, require_path, torch_dtype
 from dflash2.data.jsonl import SampleError, iter_lines, parse_sample, prompt_turns
 from dflash2.data.render import encode_prompt, stop_token_ids
 from dflash2.decode import (
@@ -407,9 +407,7 @@ def load_models(
 
 def load_target(target_dir: str | Path, device: str = "cpu", dtype=torch.float32):
     """(target, head, tokenizer): the target in eval mode and its LM head, in `dtype`."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(target_dir)
+    tokenizer = load_tokenizer(target_dir, "--target")
     target = load_full_target(target_dir, dtype, device)
     return target, TargetHead.from_target(target, dtype=dtype), tokenizer
 

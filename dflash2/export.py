@@ -34,7 +34,7 @@ from dflash2.checkpoint import (
     read_draft,
     read_train_state,
 )
-from dflash2.config import PRECISIONS, require_path, torch_dtype
+from dflash2.config import PRECISIONS, load_tokenizer, require_path, torch_dtype
 from dflash2.errors import add_debug_flag, exit_process, run_main
 from dflash2.models.config import (
     REQUIRED_BACKBONE_KEYS,
@@ -420,9 +420,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     tokenizer = None
     if args.tokenizer:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
+        tokenizer = load_tokenizer(args.tokenizer, "--tokenizer")
     target_config = args.target  # a path: a draft/target mismatch names its config.json
     if args.check is not None:
         path = Path(args.check)

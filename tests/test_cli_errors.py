@@ -413,4 +413,27 @@ def test_more_refusals_that_were_tracebacks_silent_or_destructive(
     assert_one_message(
         code, stderr, "the dataset has 3 samples, fewer than one global batch", "give more data"
     )
-    assert sorted(p.name for p in run_dir.iterdir()) == [".run.lock"]  # before: config.yaml, metrics, tb
+    assert not run_dir.exists()  # before: config.yaml, metrics, tb; then the lock file alone
+
+
+def test_a_model_directory_without_a_tokenizer_is_named_before_anything_loads(
+    monkeypatch, capsys, tiny_default, tmp_path
+):
+    """transformers' own message asked for sentencepiece or tiktoken, which would not help."""
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (bare / name).symlink_to(tiny_default.target_dir / name)
+    data = str(tiny_default.train_jsonl)
+    fix = "has no tokenizer (none of tokenizer.json, tokenizer_config.json, tokenizer.model, vocab.json)"
+    cases = {
+        "launch/train.py": (["--config", str(TINY_CONFIG), f"model.target={bare}", f"output_dir={tmp_path / 'run'}"], "model.target="),
+        "data_prep/prepare.py": (["--input", data, "--tokenizer", str(bare), "--out", str(tmp_path / "p"), "--max-length", "64"], "--tokenizer="),
+        "data_prep/regenerate.py": (["--input", data, "--out", str(tmp_path / "r.jsonl"), "--target", str(bare)], "--target="),
+        "dflash2.evaluate": (["--draft", str(tmp_path), "--target", str(bare), "--data", data], "--target="),
+        "dflash2.export": (["--check", str(tmp_path), "--tokenizer", str(bare)], "--tokenizer="),
+    }  # fmt: skip
+    for tool, (arguments, option) in cases.items():
+        code, stderr = run_cli(monkeypatch, capsys, tool, arguments)
+        assert_one_message(code, stderr, f"{option}'{bare}' {fix}: copy the model's tokenizer files")
+    assert not (tmp_path / "run").exists() and not (tmp_path / "p").exists()
