@@ -19,8 +19,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from dflash2.config import load_run_config
 from dflash2.errors import EXIT_STOPPED, EXIT_USER_ERROR
 from dflash2.faults import STOP_MARKER
+from dflash2.plan import plan_run
 from tests.run_helpers import Process, check_ok, launch_train, metrics, tiny_subset
 
 REPO = Path(__file__).resolve().parent.parent
@@ -345,6 +347,35 @@ def test_sbatch_preflight_refuses_what_the_trainer_would_with_one_message(tiny_d
     assert "(this job has 4 GPUs)" in output
 
 
+def test_the_preflight_prints_the_memory_plan_and_warns_when_it_is_over(tiny_default, tmp_path):
+    """The planner's peak per GPU (dflash2.plan.plan_run on the same config) in the job's log; over the
+    GPU's memory, a warning with the planner's fixes, and the job goes on (an estimate refuses nothing)."""
+    overrides = [
+        f"model.target={tiny_default.target_dir}",
+        f"data.train={tiny_default.train_jsonl}",
+        f"output_dir={tmp_path / 'run'}",
+        "train.micro_batch_size=2",
+    ]
+    config = "configs/tiny-dflash2.yaml"
+    preflight = [sys.executable, "launch/slurm/preflight.py", "--world-size", "4", "--device-gb", "0.5"]
+    result = subprocess.run(
+        [*preflight, config, *overrides], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0 and result.stdout == f"{tmp_path / 'run'}\n", result.stderr
+    expected = plan_run(
+        load_run_config(REPO / config, overrides), world_size=4, target_config=tiny_default.target_dir
+    )
+    need = expected.roles[0].total() / 2**30
+    assert need > 0.5  # the tiny run needs more than the 0.5 GiB given: a warning
+    assert f"memory plan per GPU: colocated ranks {need:.1f} GiB, of 0.5 GiB (--device-gb)" in result.stderr
+    assert (
+        f"breakdown: python -m dflash2.plan {config} {' '.join(overrides)} --world-size 4 --device-gb 0.5"
+        in result.stderr
+    )
+    warning = f"warning: the run may run out of GPU memory: colocated ranks need {need:.1f} GiB > 0.5 GiB per device: lower train.micro_batch_size"
+    assert warning in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
 def test_sbatch_derives_accumulation_from_the_global_batch_on_two_nodes(tiny_default, tmp_path):
     """Node 0's batch shell of the recorded 2 x 8-GPU job: srun starts one task on each of the 2 nodes;
     the global batch of 32 is 2 accumulation steps there. An exported GPUS_PER_NODE does not override
@@ -360,6 +391,11 @@ def test_sbatch_derives_accumulation_from_the_global_batch_on_two_nodes(tiny_def
     process.send_signal(signal.SIGUSR1)  # ends the stub step as a requeue does
     output = process.communicate(timeout=30)[0]
     assert "global batch 32: micro-batch 1 x 2 accumulation steps x 16 ranks\n" in output
+    # the planner's estimate in the job's log (no GPU here: against its default 79 GiB), nothing over it
+    assert re.search(
+        r"\[dflash2\] memory plan per GPU: colocated ranks \d+\.\d GiB, of 79\.0 GiB \(no GPU", output
+    )
+    assert "may run out of GPU memory" not in output
     assert "GPUS_PER_NODE=4 ignored: the allocation has 8 GPUs per node" in output
     port = re.search(r"2 nodes x 8 GPUs, 32 CPUs per node, rendezvous gpu-017:(\d+)", output)
     assert port and port.group(1) != "27203", output

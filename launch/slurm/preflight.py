@@ -9,14 +9,18 @@ the latest checkpoint in the fixed output_dir), a global batch that this job's G
 least one trainer rank, and an output_dir no other run holds (dflash2.faults.lock_run_dir: taken and
 released here, before the batch shell writes its logs there). A problem is one message and exit 2
 (no traceback), before any node starts.
-The run's layout goes to stderr (the job's log); stdout is one line, the run's output_dir, for the
-batch shell (the run's logs and its stop marker live there).
+The run's layout and the memory planner's estimate per GPU (dflash2.plan, against this node's GPU 0,
+or --device-gb) go to stderr (the job's log), with a warning where the estimate is over: a warning,
+not a refusal, since the activations are estimates. stdout is one line, the run's output_dir, for
+the batch shell (the run's logs and its stop marker live there).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -26,10 +30,41 @@ from dflash2.checkpoint import check_resume  # noqa: E402
 from dflash2.config import check_run_paths, load_run_config  # noqa: E402
 from dflash2.errors import add_debug_flag, exit_process, run_main  # noqa: E402
 from dflash2.faults import lock_run_dir  # noqa: E402
+from dflash2.plan import DEVICE_GB, GIB, plan_run  # noqa: E402
 from dflash2.run_plan import resolve_run  # noqa: E402
 
 
-def check(config: str, overrides: list[str], world_size: int) -> str:
+def device_memory(device_gb: float | None) -> tuple[float, str]:
+    """The GiB a GPU has for the run, and where that number comes from."""
+    if device_gb is not None:
+        return device_gb, "--device-gb"
+    import torch
+
+    if torch.cuda.is_available():
+        total = torch.cuda.mem_get_info(0)[1] / GIB
+        return total, f"this node's GPU 0, {torch.cuda.get_device_name(0)}"
+    return DEVICE_GB, "no GPU visible here: the planner's default"
+
+
+def memory_lines(
+    config: str, overrides: list[str], cfg, target_config, world_size: int, device_gb: float | None
+) -> list[str]:
+    """The planner's peak estimate for each role's ranks against a GPU's memory, and a warning for a
+    role over it (its fixes from the planner)."""
+    gib, source = device_memory(device_gb)
+    shown = f"{gib:.1f}" if gib >= 1 else f"{gib:.3g}"
+    try:
+        plan = plan_run(cfg, world_size=world_size, target_config=target_config, device_gb=gib)
+    except Exception as error:  # a diagnostic only: a planner that cannot plan this run stops nothing
+        return [f"[dflash2] note: no memory plan for this run ({type(error).__name__}: {error})"]
+    roles = ", ".join(f"{role.role} ranks {role.total() / GIB:.1f} GiB" for role in plan.roles)
+    plan_args = shlex.join(["python", "-m", "dflash2.plan", config, *overrides])
+    command = f"{plan_args} --world-size {world_size} --device-gb {shown}"
+    lines = [f"[dflash2] memory plan per GPU: {roles}, of {shown} GiB ({source}); breakdown: {command}"]
+    return lines + [f"[dflash2] warning: the run may run out of GPU memory: {w}" for w in plan.warnings]
+
+
+def check(config: str, overrides: list[str], world_size: int, device_gb: float | None = None) -> str:
     """The layout of the run on `world_size` GPUs, or a ValueError naming what to fix."""
     cfg = load_run_config(config, overrides)
     check_run_paths(cfg)
@@ -59,6 +94,8 @@ def check(config: str, overrides: list[str], world_size: int) -> str:
         f"[dflash2] run config {config}: backend {cfg.backend}, topology {cfg.topology}, output_dir "
         f"{cfg.output_dir}\n[dflash2] global batch {t.micro_batch_size * t.grad_accum_steps * data_parallel}: "
         f"micro-batch {t.micro_batch_size} x {t.grad_accum_steps} accumulation steps x {data_parallel} ranks{hint}",
+        *memory_lines(config, overrides, cfg, plan.target_config, world_size, device_gb),
+        sep="\n",
         file=sys.stderr,
     )
     return cfg.output_dir
@@ -71,11 +108,19 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--world-size", type=int, required=True, help="GPUs of this job (all nodes)")
+    parser.add_argument(
+        "--device-gb",
+        type=float,
+        default=None,
+        help="GiB per GPU for the memory plan (default: this node's GPU 0)",
+    )
     parser.add_argument("config", help="run config YAML")
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     add_debug_flag(parser)
     args = parser.parse_intermixed_args(argv)
-    print(check(args.config, args.overrides, args.world_size))
+    if args.device_gb is not None and not (math.isfinite(args.device_gb) and args.device_gb > 0):
+        raise ValueError(f"--device-gb must be a number > 0, got {args.device_gb}")
+    print(check(args.config, args.overrides, args.world_size, args.device_gb))
     return 0
 
 
