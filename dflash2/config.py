@@ -342,17 +342,24 @@ def require_path(path: str | Path, name: str, kind: str, what: str) -> Path:
     raise ValueError(f"{name}={str(path)!r}{where} {state}: give {what}")
 
 
-# the files of which a model directory's tokenizer loads (any one: a fast tokenizer's tokenizer.json,
-# or the files a slow one is converted from)
+# the files a model directory's tokenizer loads from (any one: a fast tokenizer's tokenizer.json, its
+# tokenizer_config.json, or the vocabulary of a slow, tiktoken or Mistral one); glob patterns
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_MORE_TOKENIZER_FILES = ("tokenizer.model.v*", "*.tiktoken", "tiktoken.model", "tekken.json", "spiece.model")
+_MORE_TOKENIZER_FILES += ("sentencepiece.bpe.model", "spm.model", "vocab.txt")
 
 
 def tokenizer_problems(directory: str | Path, name: str) -> list[str]:
     """A model directory without any tokenizer file (transformers would ask for sentencepiece)."""
-    if any((Path(directory) / file).is_file() for file in TOKENIZER_FILES):
+    directory = Path(directory)
+    if any(
+        path.is_file()
+        for pattern in TOKENIZER_FILES + _MORE_TOKENIZER_FILES
+        for path in directory.glob(pattern)
+    ):
         return []
     return [
-        f"{name}={str(directory)!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}): copy the "
+        f"{name}={str(directory)!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}, ...): copy the "
         "model's tokenizer files into that directory"
     ]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from dflash2.config import TOKENIZER_FILES
+from dflash2.config import tokenizer_problems
 from dflash2.data.render import stop_token_ids
 from dflash2.errors import add_debug_flag, exit_process, run_main
 from dflash2.models.config import (
@@ -180,7 +180,7 @@ def require(text: dict, key: str) -> Any:
 
 def load_tokenizer(target_dir: Path):
     """The target's tokenizer, or None for a directory that holds a config.json alone."""
-    if not any((target_dir / name).is_file() for name in TOKENIZER_FILES):
+    if tokenizer_problems(target_dir, "--target"):
         return None
     from transformers import AutoTokenizer
 

@@ -145,6 +145,32 @@ def write_stop_marker(output_dir: str | Path, step: int, checkpoint: Path | None
 _launcher_pid: int | None = None  # the parent whose death exit_with_launcher watches
 
 
+def _open_lock_file(path: Path) -> int:
+    """The lock file's descriptor, its directory made first; tried again when a run that made the
+    directory removes it between the two (release_run_dir)."""
+    for _ in range(3):
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            return os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        except FileNotFoundError:
+            continue
+        except OSError as error:
+            raise ValueError(
+                f"cannot open {path} ({error.strerror}): give an output_dir this account can write"
+            ) from None
+    raise ValueError(f"cannot open {path}: its directory was removed each time it was made; start again")
+
+
+def _still_linked(fd: int, path: Path) -> bool:
+    """Whether the locked file is the one at `path` (not one a released run unlinked meanwhile)."""
+    try:
+        current = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return held.st_nlink > 0 and (held.st_dev, held.st_ino) == (current.st_dev, current.st_ino)
+
+
 def lock_run_dir(output_dir: str | Path, requeue_wait_s: float = REQUEUE_WAIT_S) -> int | None:
     """Take <output_dir>/.run.lock and write who holds it into the file. Returns the descriptor that
     holds it until closed, or None where the file system refuses locks (said in a note). Raises a
@@ -153,18 +179,16 @@ def lock_run_dir(output_dir: str | Path, requeue_wait_s: float = REQUEUE_WAIT_S)
     waited for, up to `requeue_wait_s`."""
     path = Path(output_dir) / RUN_LOCK
     job = os.environ.get("SLURM_JOB_ID")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    except OSError as error:
-        raise ValueError(
-            f"cannot open {path} ({error.strerror}): give an output_dir this account can write"
-        ) from None
+    fd = _open_lock_file(path)
     waited_since = None
     while True:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            break
+            if _still_linked(fd, path):
+                break
+            os.close(fd)  # the file a finished run removed (release_run_dir): open the path again
+            fd = _open_lock_file(path)
+            continue
         except OSError as error:
             if error.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                 os.close(fd)

@@ -84,19 +84,42 @@ def build_contract(
     return {**draft, **run_contract(cfg, identity, global_batch_size(cfg, data_parallel_size))}
 
 
+def position_limit(config: PretrainedConfig) -> tuple[int | None, str]:
+    """The positions a model is made for, and how that number was read: max_position_embeddings, or
+    its RoPE scaling's factor times the original length where that is more (a YaRN config that keeps
+    the original max_position_embeddings)."""
+    limit = getattr(config, "max_position_embeddings", None)
+    limit = limit if isinstance(limit, int) else None
+    how = f"max_position_embeddings={limit}"
+    rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) not in (None, "default"):
+        factor, original = rope.get("factor"), rope.get("original_max_position_embeddings") or limit
+        if (
+            isinstance(factor, (int, float))
+            and isinstance(original, int)
+            and int(original * factor) > (limit or 0)
+        ):
+            kind = rope.get("rope_type", rope.get("type"))
+            limit, how = (
+                int(original * factor),
+                f"{kind} RoPE scaling, factor {factor:g} over {original} positions",
+            )
+    return limit, how
+
+
 def check_positions(cfg: RunConfig, target_config: PretrainedConfig, draft_config: PretrainedConfig) -> None:
     """data.max_length within the positions the target and the draft were made for: past the target's
-    max_position_embeddings its features are of positions it never saw, and the draft would train
-    at positions its config (and a server's RoPE table) does not cover."""
+    its features are of positions it never saw, and the draft would train at positions its config
+    (and a server's RoPE table) does not cover."""
     for name, config, source in (
         ("the target", text_config_of(target_config), f"{cfg.model.target}/config.json"),
         ("the draft", draft_config, cfg.model.draft_config),
     ):
-        limit = getattr(config, "max_position_embeddings", None)
-        if isinstance(limit, int) and cfg.data.max_length > limit:
+        limit, how = position_limit(config)
+        if limit is not None and cfg.data.max_length > limit:
             raise ValueError(
-                f"data.max_length={cfg.data.max_length} is above {name}'s max_position_embeddings={limit} "
-                f"({source}); set data.max_length <= {limit}"
+                f"data.max_length={cfg.data.max_length} is above the {limit} positions {name} is made for "
+                f"({source}: {how}); set data.max_length <= {limit}"
             )
 
 

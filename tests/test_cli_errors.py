@@ -425,7 +425,7 @@ def test_a_model_directory_without_a_tokenizer_is_named_before_anything_loads(
     for name in ("config.json", "model.safetensors"):
         (bare / name).symlink_to(tiny_default.target_dir / name)
     data = str(tiny_default.train_jsonl)
-    fix = "has no tokenizer (none of tokenizer.json, tokenizer_config.json, tokenizer.model, vocab.json)"
+    fix = "has no tokenizer (none of tokenizer.json, tokenizer_config.json, tokenizer.model, vocab.json, ...)"
     cases = {
         "launch/train.py": (["--config", str(TINY_CONFIG), f"model.target={bare}", f"output_dir={tmp_path / 'run'}"], "model.target="),
         "data_prep/prepare.py": (["--input", data, "--tokenizer", str(bare), "--out", str(tmp_path / "p"), "--max-length", "64"], "--tokenizer="),

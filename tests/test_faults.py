@@ -497,6 +497,33 @@ def test_a_released_lock_removes_the_directory_it_made_and_nothing_else(tmp_path
     os.close(fd)
 
 
+def test_a_run_that_opened_the_lock_file_a_released_run_removes_locks_the_new_one(tmp_path, monkeypatch):
+    """Run B opens .run.lock just before run A (which made the directory, then met a user error)
+    removes it: B's flock then succeeds on the unlinked file, so B must open the path again, or a
+    third run would lock a new file and share the directory with B."""
+    from dflash2 import faults
+
+    out = tmp_path / "run"
+    held_by_a = faults.lock_run_dir(out)
+    flock = fcntl.flock
+    released = []
+
+    def release_then_flock(fd, operation):  # A lets go in the window between B's open and B's flock
+        if not released:
+            released.append(faults.release_run_dir(held_by_a, out, created=True))
+            assert not out.exists()
+        return flock(fd, operation)
+
+    monkeypatch.setattr(faults.fcntl, "flock", release_then_flock)
+    held_by_b = faults.lock_run_dir(out)
+    monkeypatch.setattr(faults.fcntl, "flock", flock)
+    assert released and os.fstat(held_by_b).st_nlink == 1
+    assert os.fstat(held_by_b).st_ino == os.stat(out / faults.RUN_LOCK).st_ino
+    with pytest.raises(ValueError, match="is in use by another run"):
+        faults.lock_run_dir(out)  # a third run: refused
+    os.close(held_by_b)
+
+
 def test_a_requeued_slurm_job_waits_for_its_own_earlier_runs_lock_and_no_other(tmp_path, monkeypatch):
     """A network file system may keep a dead node's lock for its lease: a job requeued under the same
     SLURM job id waits for it (and says so at the end of its wait); the lock of another job is refused

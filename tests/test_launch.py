@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import runpy
 import signal
 import socket
 import subprocess
@@ -376,6 +377,25 @@ def test_the_preflight_prints_the_memory_plan_and_warns_when_it_is_over(tiny_def
     assert warning in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
+def test_the_preflight_reads_the_gpus_memory_and_a_gpu_it_cannot_read_stops_nothing(monkeypatch):
+    preflight = runpy.run_path(str(REPO / "launch/slurm/preflight.py"), run_name="preflight")
+    device_memory = preflight["device_memory"]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (10 * 2**30, int(79.18 * 2**30)))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    assert device_memory(None) == (79.1, "this node's GPU 0, NVIDIA H100 80GB HBM3")  # as printed
+    assert device_memory(40.0) == (40.0, "--device-gb")
+
+    def busy(device):
+        raise RuntimeError("CUDA error: all CUDA-capable devices are busy or unavailable")
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", busy)
+    gib, source = device_memory(None)
+    assert gib == preflight["DEVICE_GB"] and source.startswith(
+        "GPU 0 not readable here (RuntimeError: CUDA error"
+    )
+
+
 def test_sbatch_derives_accumulation_from_the_global_batch_on_two_nodes(tiny_default, tmp_path):
     """Node 0's batch shell of the recorded 2 x 8-GPU job: srun starts one task on each of the 2 nodes;
     the global batch of 32 is 2 accumulation steps there. An exported GPUS_PER_NODE does not override
@@ -393,7 +413,7 @@ def test_sbatch_derives_accumulation_from_the_global_batch_on_two_nodes(tiny_def
     assert "global batch 32: micro-batch 1 x 2 accumulation steps x 16 ranks\n" in output
     # the planner's estimate in the job's log (no GPU here: against its default 79 GiB), nothing over it
     assert re.search(
-        r"\[dflash2\] memory plan per GPU: colocated ranks \d+\.\d GiB, of 79\.0 GiB \(no GPU", output
+        r"\[dflash2\] memory plan per GPU: colocated ranks \d+\.\d GiB, of 79 GiB \(no GPU", output
     )
     assert "may run out of GPU memory" not in output
     assert "GPUS_PER_NODE=4 ignored: the allocation has 8 GPUs per node" in output

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import pytest
 from transformers import AutoConfig, AutoTokenizer
@@ -12,7 +13,7 @@ from dflash2.config import load_run_config
 from dflash2.identity import data_identity, target_identity, tokenizer_identity
 from dflash2.models import build_draft
 from dflash2.models.config import load_config_dict
-from dflash2.run_plan import build_contract, resolve_run
+from dflash2.run_plan import build_contract, position_limit, resolve_run
 from tests.run_helpers import REPO
 from tests.test_checkpoint import FakeBackend
 
@@ -130,7 +131,8 @@ def test_a_max_length_past_the_positions_of_the_target_or_the_draft_is_refused(t
     )
     cfg = tiny_config(tiny_default, "tiny-dflash2.yaml", tmp_path / "run", "data.max_length=2049")
     with pytest.raises(
-        ValueError, match=r"data.max_length=2049 is above the target's max_position_embeddings=2048"
+        ValueError,
+        match=r"data.max_length=2049 is above the 2048 positions the target is made for \(.*config.json: max_position_embeddings=2048\)",
     ):
         resolve_run(cfg)
     draft = load_config_dict(REPO / "configs/draft/tiny-dflash2.json") | {"max_position_embeddings": 1024}
@@ -144,6 +146,26 @@ def test_a_max_length_past_the_positions_of_the_target_or_the_draft_is_refused(t
     )
     with pytest.raises(
         ValueError,
-        match=r"above the draft's max_position_embeddings=1024 \(.*draft.json\); set data.max_length <= 1024",
+        match=r"above the 1024 positions the draft is made for \(.*draft.json: max_position_embeddings=1024\); set data.max_length <= 1024",
     ):
         resolve_run(cfg)
+
+
+def test_the_positions_of_a_yarn_target_are_its_factor_times_the_original_length():
+    """Qwen3's model card adds YaRN (factor 4 over 32768) and keeps max_position_embeddings 40960: the
+    model is made for 131072 positions. Llama 3.1 writes its extended length itself."""
+    from transformers import LlamaConfig, Qwen3Config
+
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # transformers notes the factor that max_position_embeddings implies
+        qwen = Qwen3Config(max_position_embeddings=40960, rope_scaling=yarn)
+    assert position_limit(qwen) == (131072, "yarn RoPE scaling, factor 4 over 32768 positions")
+    assert position_limit(Qwen3Config(max_position_embeddings=40960)) == (
+        40960,
+        "max_position_embeddings=40960",
+    )
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}
+    llama3 |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    llama = LlamaConfig(max_position_embeddings=131072, rope_scaling=llama3)
+    assert position_limit(llama) == (131072, "max_position_embeddings=131072")

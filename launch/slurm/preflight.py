@@ -40,9 +40,12 @@ def device_memory(device_gb: float | None) -> tuple[float, str]:
         return device_gb, "--device-gb"
     import torch
 
-    if torch.cuda.is_available():
-        total = torch.cuda.mem_get_info(0)[1] / GIB
-        return total, f"this node's GPU 0, {torch.cuda.get_device_name(0)}"
+    try:
+        if torch.cuda.is_available():
+            total = math.floor(torch.cuda.mem_get_info(0)[1] / GIB * 10) / 10  # as printed
+            return total, f"this node's GPU 0, {torch.cuda.get_device_name(0)}"
+    except Exception as error:  # a GPU busy or failing here is the run's to meet, not the pre-flight's
+        return DEVICE_GB, f"GPU 0 not readable here ({type(error).__name__}: {error}): the planner's default"
     return DEVICE_GB, "no GPU visible here: the planner's default"
 
 
@@ -52,7 +55,7 @@ def memory_lines(
     """The planner's peak estimate for each role's ranks against a GPU's memory, and a warning for a
     role over it (its fixes from the planner)."""
     gib, source = device_memory(device_gb)
-    shown = f"{gib:.1f}" if gib >= 1 else f"{gib:.3g}"
+    shown = f"{gib:g}"
     try:
         plan = plan_run(cfg, world_size=world_size, target_config=target_config, device_gb=gib)
     except Exception as error:  # a diagnostic only: a planner that cannot plan this run stops nothing
