@@ -208,6 +208,16 @@ def test_truncation_and_untrainable_samples_are_counted(tiny_tokenizer, tmp_path
     assert summary["num_kept"] == 1 and dataset[0]["loss_mask"] == full_mask[: first_reply_token + 2]
     assert summary["num_truncated"] == 1
 
+    # beside it, a longer prompt whose cut leaves one reply token: dropped, and its cut not counted
+    # (the summary counts the truncation of the samples it keeps)
+    longer = {"id": "long", "conversations": [{**USER, "content": USER["content"] + " now"}, REPLY]}
+    longer_first_reply = expected_loss_mask(tiny_tokenizer, longer["conversations"]).index(1)
+    assert longer_first_reply == first_reply_token + 1  # one token more: one reply token within the cut
+    both = _write_jsonl(tmp_path / "both.jsonl", [VALID, longer])
+    dataset, summary = prepare_dataset(both, tiny_tokenizer, max_length=first_reply_token + 2)
+    assert dataset["id"] == ["ok"] and summary["dropped_by_reason"] == {"no_trainable_block": 1}
+    assert summary["num_truncated"] == 1  # "ok" alone
+
 
 def test_a_byte_order_mark_costs_no_line(tiny_tokenizer, tmp_path):
     path = _write_jsonl(tmp_path / "bom.jsonl", [VALID, {**VALID, "id": "second"}])
