@@ -345,8 +345,10 @@ def require_path(path: str | Path, name: str, kind: str, what: str) -> Path:
 # the files a model directory's tokenizer loads from (any one: a fast tokenizer's tokenizer.json, its
 # tokenizer_config.json, or the vocabulary of a slow, tiktoken or Mistral one); glob patterns
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-_MORE_TOKENIZER_FILES = ("tokenizer.model.v*", "*.tiktoken", "tiktoken.model", "tekken.json", "spiece.model")
-_MORE_TOKENIZER_FILES += ("sentencepiece.bpe.model", "spm.model", "vocab.txt")
+_MORE_TOKENIZER_FILES = (
+    *("tokenizer.model.v*", "*.tiktoken", "tiktoken.model", "tekken.json"),
+    *("spiece.model", "sentencepiece.bpe.model", "spm.model", "vocab.txt"),
+)
 
 
 def tokenizer_problems(directory: str | Path, name: str) -> list[str]:

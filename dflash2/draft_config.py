@@ -66,7 +66,7 @@ def build_draft_config(target_dir: str | Path, choices: DraftChoices) -> tuple[d
     top = load_config_dict(target_dir)
     text = dict(text_config_of(top))
     text.setdefault("dtype", top.get("dtype") or top.get("torch_dtype"))
-    tokenizer = load_tokenizer(target_dir)
+    tokenizer = tokenizer_if_any(target_dir)
     mask_token, mask_token_id, mask_note = choose_mask_token(target_dir, tokenizer, text, choices)
     cfg = backbone_fields(text, choices)
     cfg["dflash_config"] = dflash_fields(cfg, choices, mask_token, mask_token_id)
@@ -178,7 +178,7 @@ def require(text: dict, key: str) -> Any:
     return text[key]
 
 
-def load_tokenizer(target_dir: Path):
+def tokenizer_if_any(target_dir: Path):
     """The target's tokenizer, or None for a directory that holds a config.json alone."""
     if tokenizer_problems(target_dir, "--target"):
         return None

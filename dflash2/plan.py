@@ -90,6 +90,12 @@ class Plan:
 # ------------------------------------------------------------------ models on meta
 
 
+def check_positive(flag: str, value: float) -> None:
+    """A GiB or GB/s option: a finite number > 0 (nan would compare as fitting, a negative as not)."""
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{flag} must be a number > 0, got {value}")
+
+
 def load_target_config(path: str | Path):
     """A transformers config from a config.json file or a checkpoint directory holding one."""
     from transformers import AutoConfig
@@ -455,9 +461,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_debug_flag(parser)
     args = parser.parse_intermixed_args(argv)  # overrides may follow the options
-    for flag, value in (("--write-gb-per-s", args.write_gb_per_s), ("--device-gb", args.device_gb)):
-        if not (math.isfinite(value) and value > 0):  # nan compared as fitting, a negative as not
-            raise ValueError(f"{flag} must be a number > 0, got {value}")
+    check_positive("--write-gb-per-s", args.write_gb_per_s)
+    check_positive("--device-gb", args.device_gb)
     cfg = load_run_config(args.config, args.overrides)
     target_config = load_target_config(args.target_config or cfg.model.target)
     plan = plan_run(cfg, world_size=args.world_size, target_config=target_config, device_gb=args.device_gb)

@@ -109,8 +109,8 @@ def position_limit(config: PretrainedConfig) -> tuple[int | None, str]:
 
 def check_positions(cfg: RunConfig, target_config: PretrainedConfig, draft_config: PretrainedConfig) -> None:
     """data.max_length within the positions the target and the draft were made for: past the target's
-    its features are of positions it never saw, and the draft would train at positions its config
-    (and a server's RoPE table) does not cover."""
+    limit its features are of positions it never saw; past the draft's it would train at positions
+    its config (and a server's RoPE table) does not cover."""
     for name, config, source in (
         ("the target", text_config_of(target_config), f"{cfg.model.target}/config.json"),
         ("the draft", draft_config, cfg.model.draft_config),

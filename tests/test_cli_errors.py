@@ -397,6 +397,7 @@ def test_more_refusals_that_were_tracebacks_silent_or_destructive(
         "data_prep/build_tiny_default.py": (["--out", str(kept)], "holds files and is not an earlier build"),
         "data_prep/prepare.py": ([*prepare, "--input", str(no_reply)], "no conversation of"),
         "dflash2.plan": (["configs/tiny-dflash2.yaml", "--world-size", "1", "--device-gb", "nan"], "--device-gb must be a number > 0, got nan"),
+        "launch/slurm/preflight.py": (["--world-size", "1", "--device-gb", "-8", str(TINY_CONFIG)], "--device-gb must be a number > 0, got -8.0"),
         "dflash2.serving_gate": (["--config", str(TINY_CONFIG), "--data", data, "--max-new-tokens", "0", f"model.target={target}"], "--max-new-tokens must be >= 1"),
     }  # fmt: skip
     for tool, (arguments, fragment) in cases.items():

@@ -173,7 +173,7 @@ def test_no_unused_special_token_is_refused_naming_mask_token(tiny_default, tmp_
 def test_the_mask_token_is_written_by_name_wherever_the_tokenizer_has_it(tiny_default, tmp_path, capsys):
     """Servers that look the mask up by token (by default '<|MASK|>', which the tiny tokenizer lacks)
     then find the id the draft was trained with."""
-    tokenizer = draft_config.load_tokenizer(tiny_default.target_dir)
+    tokenizer = draft_config.tokenizer_if_any(tiny_default.target_dir)
     own, _ = generate(capsys, tiny_default.target_dir, "DFlash2DraftModel", tmp_path / "own.json")
     assert (own["dflash_config"]["mask_token"], own["dflash_config"]["mask_token_id"]) == ("<|mask|>", 3)
     by_id, _ = generate(
@@ -190,7 +190,7 @@ def test_a_tokenizer_mask_token_the_target_stops_on_is_passed_over(tiny_default,
     tokenizer_config["mask_token"] = tokenizer_config["eos_token"]
     (target / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     cfg, _ = generate(capsys, target, "DFlash2DraftModel", tmp_path / "draft.json")
-    tokenizer = draft_config.load_tokenizer(target)
+    tokenizer = draft_config.tokenizer_if_any(target)
     assert cfg["dflash_config"]["mask_token_id"] != tokenizer.eos_token_id
     assert cfg["dflash_config"]["mask_token_id"] not in draft_config.reserved_ids(target, tokenizer)
 

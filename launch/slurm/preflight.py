@@ -30,7 +30,7 @@ from dflash2.checkpoint import check_resume  # noqa: E402
 from dflash2.config import check_run_paths, load_run_config  # noqa: E402
 from dflash2.errors import add_debug_flag, exit_process, run_main  # noqa: E402
 from dflash2.faults import lock_run_dir  # noqa: E402
-from dflash2.plan import DEVICE_GB, GIB, plan_run  # noqa: E402
+from dflash2.plan import DEVICE_GB, GIB, check_positive, plan_run  # noqa: E402
 from dflash2.run_plan import resolve_run  # noqa: E402
 
 
@@ -121,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     add_debug_flag(parser)
     args = parser.parse_intermixed_args(argv)
-    if args.device_gb is not None and not (math.isfinite(args.device_gb) and args.device_gb > 0):
-        raise ValueError(f"--device-gb must be a number > 0, got {args.device_gb}")
+    if args.device_gb is not None:
+        check_positive("--device-gb", args.device_gb)
     print(check(args.config, args.overrides, args.world_size, args.device_gb))
     return 0
 
