@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from dflash2.config import RunConfig, read_json_object
@@ -480,6 +480,30 @@ def check_resume(ckpt_dir: Path, contract: dict) -> None:
     (no collective, nothing loaded: call it before the target loads)."""
     check_complete(ckpt_dir)
     validate_contract(read_contract(ckpt_dir), contract)
+    check_intact(ckpt_dir)
+
+
+def check_intact(ckpt_dir: Path) -> None:
+    """Every file a resume reads is there and whole (a copy cut short, a file system that lost a
+    write after COMPLETE): each rank's RNG state, and every JSON and safetensors file of the state
+    parses, each safetensors header complete and covering its file. The full draft weights, which
+    export reads and a resume does not, are not checked here. Reads JSON and headers; no collective."""
+    ckpt_dir = Path(ckpt_dir)
+    meta = _checkpoint_json(ckpt_dir, f"{BACKEND}/backend.json")
+    world_size = meta.get("world_size")
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(
+            f"checkpoint {ckpt_dir} is damaged: its {BACKEND}/backend.json has no number of ranks "
+            f"(world_size: {world_size!r}); {_WAY_ON}"
+        )
+    names = {f"rng_rank{rank:05d}{ext}" for rank in range(world_size) for ext in (".json", ".safetensors")}
+    for path in (ckpt_dir / BACKEND).rglob("*"):
+        names.add(path.relative_to(ckpt_dir).as_posix())
+    for name in sorted(names):
+        if name.endswith(".json"):
+            _checkpoint_json(ckpt_dir, name)
+        elif name.endswith(".safetensors"):
+            _check_tensors(ckpt_dir, name)
 
 
 def check_complete(ckpt_dir: Path) -> None:
@@ -516,14 +540,34 @@ def read_train_state(ckpt_dir: Path | None) -> TrainState:
     return TrainState(**_checkpoint_json(Path(ckpt_dir), TRAIN_STATE))
 
 
+_WAY_ON = (
+    "resume from an earlier checkpoint (train.resume=<its directory>), or start over with train.resume=none"
+)
+
+
 def _checkpoint_json(ckpt_dir: Path, name: str) -> dict:
     """A JSON file of a checkpoint; missing or malformed (a damaged checkpoint) is a ValueError naming
     it and the way on."""
     damaged = f"checkpoint {ckpt_dir} is damaged"
-    fix = "resume from an earlier checkpoint (train.resume=<its directory>), or start over with train.resume=none"
     if not (ckpt_dir / name).is_file():
-        raise ValueError(f"{damaged}: it has no {name}; {fix}")
-    return read_json_object(ckpt_dir / name, f"{damaged}: its {name}", fix)
+        raise ValueError(f"{damaged}: it has no {name}; {_WAY_ON}")
+    return read_json_object(ckpt_dir / name, f"{damaged}: its {name}", _WAY_ON)
+
+
+def _check_tensors(ckpt_dir: Path, name: str, way_on: str = _WAY_ON) -> None:
+    """A safetensors file of a checkpoint is there, its header whole and covering the file (what a
+    file cut short breaks); a ValueError naming it and the way on otherwise."""
+    path = ckpt_dir / name
+    damaged = f"checkpoint {ckpt_dir} is damaged"
+    if not path.is_file():
+        raise ValueError(f"{damaged}: it has no {name}; {way_on}")
+    try:
+        with safe_open(str(path), framework="pt"):
+            pass
+    except (SafetensorError, OSError) as error:
+        raise ValueError(
+            f"{damaged}: its {name} is not a whole safetensors file ({error}); {way_on}"
+        ) from None
 
 
 def holds_draft(path: Path) -> bool:
@@ -533,4 +577,6 @@ def holds_draft(path: Path) -> bool:
 
 def read_draft(ckpt_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """(full fp32 draft state dict, draft config dict) of a checkpoint: what export reads."""
+    way_on = "export an earlier checkpoint of the run, or resume the run and export the next one"
+    _check_tensors(Path(ckpt_dir), DRAFT_WEIGHTS, way_on)
     return load_file(ckpt_dir / DRAFT_WEIGHTS), load_config_dict(ckpt_dir / DRAFT_CONFIG)

@@ -573,3 +573,47 @@ def test_a_damaged_checkpoints_json_is_named_with_the_way_on(tmp_path):
         ValueError, match="damaged: its contract.json: expected a JSON object, found list; resume from"
     ):
         read_contract(ckpt)
+
+
+def test_a_damaged_state_file_is_named_before_anything_loads(tmp_path):
+    """A file a resume reads, cut short, torn or missing (a copy cut short, a file system that lost
+    a write after COMPLETE): one message naming the checkpoint and the file, before the backend or
+    any RNG is touched, where safetensors' or json's own error (a traceback) came at load time."""
+    from dflash2.checkpoint import read_draft
+
+    good = save(FakeBackend(weight=4.0), tmp_path / "run", 1)
+    state_io.save_state({"w": torch.arange(6.0)}, good / "backend" / "rank00000")  # a real shard
+    check_resume(good, CONTRACT)
+
+    def cut(path: Path) -> None:
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+    damages = {
+        "its backend/rank00000.safetensors is not a whole safetensors file": lambda c: cut(c / "backend/rank00000.safetensors"),
+        "its rng_rank00000.safetensors is not a whole safetensors file": lambda c: cut(c / "rng_rank00000.safetensors"),
+        r"its rng_rank00000.json is not valid JSON \(": lambda c: cut(c / "rng_rank00000.json"),
+        "its backend/state.json is not valid JSON": lambda c: cut(c / "backend/state.json"),
+        "it has no rng_rank00000.safetensors": lambda c: (c / "rng_rank00000.safetensors").unlink(),
+        "its backend/backend.json has no number of ranks": lambda c: (c / "backend/backend.json").write_text('{"backend": "fake"}'),
+    }  # fmt: skip
+    for i, (message, damage) in enumerate(damages.items()):
+        ckpt = tmp_path / f"copy{i}" / good.name
+        shutil.copytree(good, ckpt)
+        damage(ckpt)
+        backend = FakeBackend(weight=0.0)
+        torch.manual_seed(5)
+        expected_draw = torch.rand(3)
+        torch.manual_seed(5)
+        with pytest.raises(ValueError, match=f"checkpoint {ckpt} is damaged: {message}") as refused:
+            load_checkpoint(backend, ckpt, contract=dict(CONTRACT))
+        assert str(refused.value).endswith("or start over with train.resume=none")
+        assert backend.loaded_from is None and torch.equal(torch.rand(3), expected_draw)
+    # the full draft weights are export's: a resume (which never reads them) goes on; export refuses
+    ckpt = tmp_path / "draft-cut" / good.name
+    shutil.copytree(good, ckpt)
+    cut(ckpt / "draft.safetensors")
+    check_resume(ckpt, CONTRACT)
+    with pytest.raises(
+        ValueError, match="its draft.safetensors is not a whole safetensors file .*; export an earlier"
+    ):
+        read_draft(ckpt)

@@ -101,7 +101,12 @@ class ShardedState:
 
     def __init__(self, directory: Path, num_ranks: int) -> None:
         self.prefixes = [Path(directory) / f"rank{rank:05d}" for rank in range(num_ranks)]
-        missing = [str(p) + ".json" for p in self.prefixes if not Path(str(p) + ".json").is_file()]
+        missing = [
+            str(p) + ext
+            for p in self.prefixes
+            for ext in (".json", ".safetensors")
+            if not Path(str(p) + ext).is_file()
+        ]
         if missing:
             raise ValueError(f"incomplete checkpoint: missing {missing}; resume from another checkpoint")
         self.trees = [json.loads(Path(str(p) + ".json").read_text()) for p in self.prefixes]
