@@ -438,3 +438,24 @@ def test_a_model_directory_without_a_tokenizer_is_named_before_anything_loads(
         code, stderr = run_cli(monkeypatch, capsys, tool, arguments)
         assert_one_message(code, stderr, f"{option}'{bare}' {fix}: copy the model's tokenizer files")
     assert not (tmp_path / "run").exists() and not (tmp_path / "p").exists()
+
+
+def test_a_path_error_under_torchrun_is_one_message_from_rank_0(tmp_path, tiny_default):
+    """Every rank checks the paths before the group starts; rank 0 prints the error and exits, and
+    torchrun then sends SIGTERM to a rank still starting: that rank said it would stop after this
+    optimizer step (a line under the error, in every such launch here), and says nothing now."""
+    launcher = [sys.executable, str(REPO / "launch" / "torchrun.py"), "--standalone", "--nproc_per_node=2"]
+    train = [str(REPO / "launch" / "train.py"), "--config", str(TINY_CONFIG), "backend=fsdp"]
+    missing = tmp_path / "draft.json"
+    overrides = [
+        f"output_dir={tmp_path / 'run'}",
+        "train.micro_batch_size=4",
+        f"model.draft_config={missing}",
+    ]
+    result = subprocess.run(
+        [*launcher, *train, *overrides], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == EXIT_USER_ERROR, result.stderr
+    said = [line for line in result.stderr.splitlines() if "error" in line or "[dflash2]" in line]
+    assert said[0] == f"error: model.draft_config='{missing}' does not exist: give the draft's config.json"
+    assert not any("[dflash2]" in line or line.startswith("error") for line in said[1:]), result.stderr

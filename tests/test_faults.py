@@ -281,6 +281,25 @@ def test_every_rank_stops_when_any_rank_was_asked():
     assert request.agreed(VotingBackend([0.0]))
 
 
+def test_another_rank_says_it_was_signalled_when_it_acts_on_it(monkeypatch, capfd):
+    """Rank 0 says at once that a signal asked it to stop; another rank says so at its next vote. A
+    rank that ends before voting (rank 0 stopped on a user error and the launcher signalled the rest)
+    adds no line under rank 0's message."""
+    monkeypatch.setenv("RANK", "1")
+    request = StopRequest()
+    request._handle(signal.SIGTERM, None)
+    assert request.signal_name == "SIGTERM" and capfd.readouterr().err == ""
+    assert request.agreed(VotingBackend([0.0]))
+    said = capfd.readouterr().err
+    assert said.startswith("[dflash2] rank 1: SIGTERM: stopping after this optimizer step"), said
+    assert said.count("\n") == 1
+    assert request.agreed(VotingBackend([0.0])) and capfd.readouterr().err == ""  # said once
+    monkeypatch.setenv("RANK", "0")
+    first = StopRequest()
+    first._handle(signal.SIGINT, None)
+    assert capfd.readouterr().err.startswith("[dflash2] rank 0: SIGINT: stopping after this optimizer step")
+
+
 LAUNCHED_WORKER = """
 import os, sys, time
 from dflash2.faults import exit_with_launcher, stop_request
