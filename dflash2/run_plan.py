@@ -87,22 +87,29 @@ def build_contract(
 def position_limit(config: PretrainedConfig) -> tuple[int | None, str]:
     """The positions a model is made for, and how that number was read: max_position_embeddings, or
     its RoPE scaling's factor times the original length where that is more (a YaRN config that keeps
-    the original max_position_embeddings)."""
+    the original max_position_embeddings); with RoPE parameters per layer type (a dict of them, as
+    models mixing sliding and full attention have), the most any layer type's scaling reaches."""
     limit = getattr(config, "max_position_embeddings", None)
     limit = limit if isinstance(limit, int) else None
     how = f"max_position_embeddings={limit}"
     rope = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
-    if isinstance(rope, dict) and rope.get("rope_type", rope.get("type")) not in (None, "default"):
-        factor, original = rope.get("factor"), rope.get("original_max_position_embeddings") or limit
+    if not isinstance(rope, dict):
+        return limit, how
+    per_type = rope and all(isinstance(value, dict) for value in rope.values())
+    for layer_type, params in rope.items() if per_type else [(None, rope)]:
+        if params.get("rope_type", params.get("type")) in (None, "default"):
+            continue
+        factor, original = params.get("factor"), params.get("original_max_position_embeddings") or limit
         if (
             isinstance(factor, (int, float))
             and isinstance(original, int)
             and int(original * factor) > (limit or 0)
         ):
-            kind = rope.get("rope_type", rope.get("type"))
+            kind = params.get("rope_type", params.get("type"))
+            where = f" ({layer_type} layers)" if layer_type is not None else ""
             limit, how = (
                 int(original * factor),
-                f"{kind} RoPE scaling, factor {factor:g} over {original} positions",
+                f"{kind} RoPE scaling{where}, factor {factor:g} over {original} positions",
             )
     return limit, how
 

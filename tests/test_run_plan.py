@@ -169,3 +169,12 @@ def test_the_positions_of_a_yarn_target_are_its_factor_times_the_original_length
     llama3 |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
     llama = LlamaConfig(max_position_embeddings=131072, rope_scaling=llama3)
     assert position_limit(llama) == (131072, "max_position_embeddings=131072")
+    # RoPE parameters per layer type (sliding and full attention): the scaled type's reach counts
+    from transformers import Gemma3TextConfig
+
+    per_type = {"full_attention": {**yarn, "rope_theta": 1e6}, "sliding_attention": {"rope_type": "default"}}
+    gemma = Gemma3TextConfig(max_position_embeddings=32768, rope_parameters=per_type)
+    assert position_limit(gemma) == (
+        131072,
+        "yarn RoPE scaling (full_attention layers), factor 4 over 32768 positions",
+    )
