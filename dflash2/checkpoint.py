@@ -456,7 +456,7 @@ def load_checkpoint(
     per-sample generators) are then left as they were at start-up.
     """
     ckpt_dir = Path(ckpt_dir)
-    check_resume(ckpt_dir, contract)
+    check_resume(ckpt_dir, contract, (backend.rank, backend.world_size))
     num_saved_ranks = check_backend_meta(ckpt_dir / BACKEND, backend.name)
     backend.load_state(ckpt_dir / BACKEND, num_saved_ranks)
     if num_saved_ranks == backend.world_size:
@@ -475,35 +475,52 @@ def load_checkpoint(
     return _checkpoint_json(Path(ckpt_dir), TRAIN_STATE)
 
 
-def check_resume(ckpt_dir: Path, contract: dict) -> None:
-    """Refuse to resume from anything but a complete checkpoint written under the same contract
-    (no collective, nothing loaded: call it before the target loads)."""
+def check_resume(ckpt_dir: Path, contract: dict, reader: tuple[int, int] | None = None) -> None:
+    """Refuse to resume from anything but a complete, intact checkpoint written under the same
+    contract (no collective, nothing loaded: call it before the target loads). `reader`: see
+    check_intact."""
     check_complete(ckpt_dir)
     validate_contract(read_contract(ckpt_dir), contract)
-    check_intact(ckpt_dir)
+    check_intact(ckpt_dir, reader)
 
 
-def check_intact(ckpt_dir: Path) -> None:
-    """Every file a resume reads is there and whole (a copy cut short, a file system that lost a
-    write after COMPLETE): each rank's RNG state, and every JSON and safetensors file of the state
-    parses, each safetensors header complete and covering its file. The full draft weights, which
-    export reads and a resume does not, are not checked here. Reads JSON and headers; no collective."""
+# checkpoints found intact in this process: their backend state, and the RNG files checked so far
+_intact: dict[Path, set[int]] = {}
+STATE_ONLY = (0, 0)  # a `reader` of no rank: the backend state every rank reads, no RNG state
+
+
+def check_intact(ckpt_dir: Path, reader: tuple[int, int] | None = None) -> None:
+    """The files a resume reads are there and whole (a copy cut short, a file system that lost a
+    write after COMPLETE): every JSON and safetensors file of the backend state (which every rank
+    reads) and the RNG state of `reader` = (rank, world size), which a rank reads where the saved
+    world size is its own; `reader` None: every rank's RNG state. A JSON file must parse, a
+    safetensors header be whole and cover its file (a file cut short). The full draft weights,
+    which export reads and a resume does not, are export's to check. Reads JSON and headers only,
+    each once a process; no collective."""
     ckpt_dir = Path(ckpt_dir)
     meta = _checkpoint_json(ckpt_dir, f"{BACKEND}/backend.json")
-    world_size = meta.get("world_size")
-    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+    saved = meta.get("world_size")
+    if not isinstance(saved, int) or isinstance(saved, bool) or saved < 1:
         raise ValueError(
             f"checkpoint {ckpt_dir} is damaged: its {BACKEND}/backend.json has no number of ranks "
-            f"(world_size: {world_size!r}); {_WAY_ON}"
+            f"(world_size: {saved!r}); {_WAY_ON}"
         )
-    names = {f"rng_rank{rank:05d}{ext}" for rank in range(world_size) for ext in (".json", ".safetensors")}
-    for path in (ckpt_dir / BACKEND).rglob("*"):
-        names.add(path.relative_to(ckpt_dir).as_posix())
+    key = ckpt_dir.resolve()
+    names = []
+    if key not in _intact:
+        names += [path.relative_to(ckpt_dir).as_posix() for path in (ckpt_dir / BACKEND).rglob("*")]
+    if reader is None:
+        ranks = set(range(saved))
+    else:
+        ranks = {reader[0]} if reader[1] == saved else set()
+    ranks -= _intact.get(key, set())
+    names += [f"rng_rank{rank:05d}{ext}" for rank in sorted(ranks) for ext in (".json", ".safetensors")]
     for name in sorted(names):
         if name.endswith(".json"):
             _checkpoint_json(ckpt_dir, name)
         elif name.endswith(".safetensors"):
             _check_tensors(ckpt_dir, name)
+    _intact.setdefault(key, set()).update(ranks)
 
 
 def check_complete(ckpt_dir: Path) -> None:
@@ -545,13 +562,13 @@ _WAY_ON = (
 )
 
 
-def _checkpoint_json(ckpt_dir: Path, name: str) -> dict:
+def _checkpoint_json(ckpt_dir: Path, name: str, way_on: str = _WAY_ON) -> dict:
     """A JSON file of a checkpoint; missing or malformed (a damaged checkpoint) is a ValueError naming
     it and the way on."""
     damaged = f"checkpoint {ckpt_dir} is damaged"
     if not (ckpt_dir / name).is_file():
-        raise ValueError(f"{damaged}: it has no {name}; {_WAY_ON}")
-    return read_json_object(ckpt_dir / name, f"{damaged}: its {name}", _WAY_ON)
+        raise ValueError(f"{damaged}: it has no {name}; {way_on}")
+    return read_json_object(ckpt_dir / name, f"{damaged}: its {name}", way_on)
 
 
 def _check_tensors(ckpt_dir: Path, name: str, way_on: str = _WAY_ON) -> None:
@@ -577,6 +594,10 @@ def holds_draft(path: Path) -> bool:
 
 def read_draft(ckpt_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """(full fp32 draft state dict, draft config dict) of a checkpoint: what export reads."""
-    way_on = "export an earlier checkpoint of the run, or resume the run and export the next one"
-    _check_tensors(Path(ckpt_dir), DRAFT_WEIGHTS, way_on)
-    return load_file(ckpt_dir / DRAFT_WEIGHTS), load_config_dict(ckpt_dir / DRAFT_CONFIG)
+    ckpt_dir, way_on = (
+        Path(ckpt_dir),
+        "export an earlier checkpoint of the run, or resume the run and export the next one",
+    )
+    _check_tensors(ckpt_dir, DRAFT_WEIGHTS, way_on)
+    config = _checkpoint_json(ckpt_dir, DRAFT_CONFIG, way_on)
+    return load_file(ckpt_dir / DRAFT_WEIGHTS), load_config_dict(config)

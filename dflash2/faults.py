@@ -79,7 +79,7 @@ class StopRequest:
         self.signal_name: str | None = None  # the first stop signal received
         self.stopped = False  # set by the loop when it ended early on a request
         self._received_at = 0.0
-        self._unsaid: str | None = None  # another rank's receipt of the signal, said at its next vote
+        self._unsaid = False  # a rank other than 0 got a signal and has not said so (at its next vote)
 
     def install(self) -> None:
         for sig in STOP_SIGNALS:
@@ -90,18 +90,24 @@ class StopRequest:
         name = signal.Signals(signum).name
         if self.signal_name is None:
             self.signal_name, self._received_at = name, now
-            message = (
-                f"{self.describe()}: stopping after this optimizer step with a checkpoint "
-                f"(a signal more than {REPEAT_WINDOW_S:.0f} s later aborts at once)"
-            )
             if global_rank() == 0:
-                _say(message)
-            else:  # said when this rank acts on it: one that ends first (a user error rank 0 printed,
-                self._unsaid = message  # whose launcher then signals the rest) adds nothing to the log
+                _say(self._receipt())
+            else:  # said when this rank votes: one that ends first (on a user error rank 0 printed,
+                self._unsaid = True  # its launcher then signalling the rest) adds nothing to the log
         elif now - self._received_at >= REPEAT_WINDOW_S:
             _say(f"second signal ({name}): aborting without a checkpoint")
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
+
+    def _receipt(self) -> str:
+        return (
+            f"{self.describe()}: stopping after this optimizer step with a checkpoint "
+            f"(a signal more than {REPEAT_WINDOW_S:.0f} s later aborts at once)"
+        )
+
+    def served(self) -> None:
+        """The request was acted on: a later fit in this process does not stop on it."""
+        self.signal_name, self._unsaid = None, False
 
     def describe(self) -> str:
         """The signal that asked this rank to stop, and whether its launcher is gone (asked when
@@ -117,10 +123,10 @@ class StopRequest:
         at the same point of every step). `requested`: this rank's vote (default: a signal arrived)."""
         import torch  # here: launch/train.py imports this module first thing, before anything heavy
 
-        if self._unsaid is not None:
-            _say(self._unsaid)
-            self._unsaid = None
         vote = self.signal_name is not None if requested is None else requested
+        if self._unsaid:  # after the vote is read, so that a rank never votes to stop unsaid
+            self._unsaid = False
+            _say(self._receipt())
         flag = torch.tensor([1.0 if vote else 0.0], device=backend.device)
         return bool(backend.all_reduce_sum(flag).item() > 0)
 

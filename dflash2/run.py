@@ -33,7 +33,7 @@ from dflash2.capture.features import capture_samples
 from dflash2.capture.fused import StagedFeatures, finish_fused_capture, regeneration_stamp
 from dflash2.capture.offline import capture_to_dir, feature_identity
 from dflash2.capture.transfer import FeatureReceiver, FeatureSender, capture_schedule
-from dflash2.checkpoint import check_resume
+from dflash2.checkpoint import STATE_ONLY, check_resume
 from dflash2.config import RunConfig, save_run_config
 from dflash2.data.loader import step_batches
 from dflash2.data.regenerate import LocalTargetGenerator, regenerate_file
@@ -215,7 +215,7 @@ def run_disaggregated(cfg: RunConfig) -> dict[str, float]:
     with run_dir_held(cfg):  # first: the resume point is read once no other run writes there
         plan = resolve_run(cfg, cfg.data_parallel_size(dist.get_world_size()))
         if plan.resume_from is not None:  # on every rank: capture ranks would load the target first
-            check_resume(plan.resume_from, plan.contract)
+            check_resume(plan.resume_from, plan.contract, STATE_ONLY)  # trainers: their RNG in build_setup
         num_capture, world_size, timeout = cfg.capture_ranks, dist.get_world_size(), collective_timeout()
         # every rank creates every group, in the same order
         capture_group = dist.new_group(list(range(num_capture)), timeout=timeout)

@@ -86,9 +86,9 @@ def build_contract(
 
 def position_limit(config: PretrainedConfig) -> tuple[int | None, str]:
     """The positions a model is made for, and how that number was read: max_position_embeddings, or
-    its RoPE scaling's factor times the original length where that is more (a YaRN config that keeps
-    the original max_position_embeddings); with RoPE parameters per layer type (a dict of them, as
-    models mixing sliding and full attention have), the most any layer type's scaling reaches."""
+    its RoPE scaling's factor times the original length it names where that is more (a YaRN config
+    that keeps the original max_position_embeddings); with RoPE parameters per layer type (a dict
+    of them, as models mixing sliding and full attention have), the most any type's scaling reaches."""
     limit = getattr(config, "max_position_embeddings", None)
     limit = limit if isinstance(limit, int) else None
     how = f"max_position_embeddings={limit}"
@@ -99,7 +99,9 @@ def position_limit(config: PretrainedConfig) -> tuple[int | None, str]:
     for layer_type, params in rope.items() if per_type else [(None, rope)]:
         if params.get("rope_type", params.get("type")) in (None, "default"):
             continue
-        factor, original = params.get("factor"), params.get("original_max_position_embeddings") or limit
+        # factor x original where the config names the original length (yarn, longrope, llama3); a
+        # scaling without it (Gemma 3's linear) has max_position_embeddings at the scaled length
+        factor, original = params.get("factor"), params.get("original_max_position_embeddings")
         if (
             isinstance(factor, (int, float))
             and isinstance(original, int)

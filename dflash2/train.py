@@ -142,7 +142,7 @@ def build_setup(plan: RunPlan, backend: Backend, features: FeatureSource | None 
     draft = build_draft(plan.draft_source)
     draft_config = draft.config.to_dict()
     if plan.resume_from is not None:  # a refused resume stops here, before the target loads
-        check_resume(plan.resume_from, plan.contract)
+        check_resume(plan.resume_from, plan.contract, (backend.rank, backend.world_size))
     elif cfg.model.init_from_target:
         summary = init_from_target(draft, cfg.model.target, plan.target_config, cfg.model.init_target_layers)
         if backend.is_main:
@@ -485,7 +485,7 @@ def report_end(
         backend.barrier()
     if backend.is_main:
         print(end_message(step, max_steps, saved), flush=True)
-    stop_request.signal_name = None  # served: a later fit in this process does not stop on it
+    stop_request.served()  # a later fit in this process does not stop on it
 
 
 def end_message(step: int, max_steps: int, checkpoint: Path | None) -> str:

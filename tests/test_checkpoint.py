@@ -608,6 +608,14 @@ def test_a_damaged_state_file_is_named_before_anything_loads(tmp_path):
             load_checkpoint(backend, ckpt, contract=dict(CONTRACT))
         assert str(refused.value).endswith("or start over with train.resume=none")
         assert backend.loaded_from is None and torch.equal(torch.rand(3), expected_draw)
+    # each rank reads its own RNG state, and only on as many ranks as saved it: rank 1 of 2 resuming
+    # this 1-rank checkpoint (the state re-cut) reads none; the pre-flight (no reader) checks them all
+    ckpt = tmp_path / "elastic" / good.name
+    shutil.copytree(good, ckpt)
+    cut(ckpt / "rng_rank00000.safetensors")
+    check_resume(ckpt, CONTRACT, (1, 2))
+    with pytest.raises(ValueError, match="its rng_rank00000.safetensors is not a whole"):
+        check_resume(ckpt, CONTRACT)
     # the full draft weights are export's: a resume (which never reads them) goes on; export refuses
     ckpt = tmp_path / "draft-cut" / good.name
     shutil.copytree(good, ckpt)
@@ -616,4 +624,8 @@ def test_a_damaged_state_file_is_named_before_anything_loads(tmp_path):
     with pytest.raises(
         ValueError, match="its draft.safetensors is not a whole safetensors file .*; export an earlier"
     ):
+        read_draft(ckpt)
+    shutil.copy(good / "draft.safetensors", ckpt / "draft.safetensors")
+    (ckpt / "draft_config.json").write_text('{"hidden_size": 8')
+    with pytest.raises(ValueError, match="its draft_config.json is not valid JSON .*; export an earlier"):
         read_draft(ckpt)

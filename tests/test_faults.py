@@ -294,6 +294,9 @@ def test_another_rank_says_it_was_signalled_when_it_acts_on_it(monkeypatch, capf
     assert said.startswith("[dflash2] rank 1: SIGTERM: stopping after this optimizer step"), said
     assert said.count("\n") == 1
     assert request.agreed(VotingBackend([0.0])) and capfd.readouterr().err == ""  # said once
+    request._handle(signal.SIGTERM, None)  # a repeat within the window: nothing more to say
+    request.served()  # the stop was acted on (the end of fit): a later fit does not stop on it
+    assert not request.agreed(VotingBackend([0.0])) and capfd.readouterr().err == ""
     monkeypatch.setenv("RANK", "0")
     first = StopRequest()
     first._handle(signal.SIGINT, None)

@@ -178,3 +178,11 @@ def test_the_positions_of_a_yarn_target_are_its_factor_times_the_original_length
         131072,
         "yarn RoPE scaling (full_attention layers), factor 4 over 32768 positions",
     )
+    # Gemma 3 as published: linear factor 8 on its full-attention layers, max_position_embeddings
+    # already the scaled length (no original length named)
+    linear = {
+        "full_attention": {"rope_type": "linear", "factor": 8.0},
+        "sliding_attention": {"rope_type": "default"},
+    }
+    gemma = Gemma3TextConfig(max_position_embeddings=131072, rope_parameters=linear)
+    assert position_limit(gemma) == (131072, "max_position_embeddings=131072")
