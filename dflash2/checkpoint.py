@@ -484,8 +484,9 @@ def check_resume(ckpt_dir: Path, contract: dict, reader: tuple[int, int] | None 
     check_intact(ckpt_dir, reader)
 
 
-# checkpoints found intact in this process: their backend state, and the RNG files checked so far
-_intact: dict[Path, set[int]] = {}
+# checkpoints found intact in this process (by path and COMPLETE marker, which a checkpoint written
+# again at the same path replaces): their backend state, and the RNG files checked so far
+_intact: dict[tuple, set[int]] = {}
 STATE_ONLY = (0, 0)  # a `reader` of no rank: the backend state every rank reads, no RNG state
 
 
@@ -505,7 +506,8 @@ def check_intact(ckpt_dir: Path, reader: tuple[int, int] | None = None) -> None:
             f"checkpoint {ckpt_dir} is damaged: its {BACKEND}/backend.json has no number of ranks "
             f"(world_size: {saved!r}); {_WAY_ON}"
         )
-    key = ckpt_dir.resolve()
+    marker = os.stat(ckpt_dir / COMPLETE)
+    key = (ckpt_dir.resolve(), marker.st_dev, marker.st_ino, marker.st_mtime_ns)
     names = []
     if key not in _intact:
         names += [path.relative_to(ckpt_dir).as_posix() for path in (ckpt_dir / BACKEND).rglob("*")]

@@ -608,6 +608,16 @@ def test_a_damaged_state_file_is_named_before_anything_loads(tmp_path):
             load_checkpoint(backend, ckpt, contract=dict(CONTRACT))
         assert str(refused.value).endswith("or start over with train.resume=none")
         assert backend.loaded_from is None and torch.equal(torch.rand(3), expected_draw)
+    # found intact once, a checkpoint is not read again in this process, unless written again at
+    # its path (a new COMPLETE marker)
+    cut(good / "backend/state.json")
+    check_resume(good, CONTRACT)
+    (good / "COMPLETE").unlink()
+    (good / "COMPLETE").write_text("")
+    with pytest.raises(ValueError, match="its backend/state.json is not valid JSON"):
+        check_resume(good, CONTRACT)
+    shutil.rmtree(good)
+    good = save(FakeBackend(weight=4.0), tmp_path / "run", 1)
     # each rank reads its own RNG state, and only on as many ranks as saved it: rank 1 of 2 resuming
     # this 1-rank checkpoint (the state re-cut) reads none; the pre-flight (no reader) checks them all
     ckpt = tmp_path / "elastic" / good.name
