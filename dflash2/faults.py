@@ -92,8 +92,8 @@ class StopRequest:
             self.signal_name, self._received_at = name, now
             if global_rank() == 0:
                 _say(self._receipt())
-            else:  # said when this rank votes: one that ends first (on a user error rank 0 printed,
-                self._unsaid = True  # its launcher then signalling the rest) adds nothing to the log
+            else:  # said at this rank's next vote: a rank ended before it votes (its launcher
+                self._unsaid = True  # signalled it after rank 0's user error) adds no line to the log
         elif now - self._received_at >= REPEAT_WINDOW_S:
             _say(f"second signal ({name}): aborting without a checkpoint")
             signal.signal(signum, signal.SIG_DFL)
