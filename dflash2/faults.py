@@ -27,8 +27,10 @@ Launcher death. torchrun starts each worker in a session of its own, so a worker
 killed with SIGKILL, or with SIGUSR1, which torchrun does not handle. `exit_with_launcher` has Linux
 send a worker SIGTERM when its launcher dies: the workers stop as above, with a checkpoint.
 
-Collective timeout. Every process group waits at most DFLASH2_DIST_TIMEOUT_S seconds (default 600) for
-a collective or a point-to-point transfer. With gloo (CPU) the waiting call raises, and
+Collective timeout. Every process group waits at most DFLASH2_STARTUP_TIMEOUT_S seconds (default 1800,
+or DFLASH2_DIST_TIMEOUT_S where that is longer) for a collective or a point-to-point transfer until this
+rank's first step is done (start-up: one rank may read a large target while the others wait), and
+DFLASH2_DIST_TIMEOUT_S seconds (default 600) from then on (`enter_steps`). With gloo (CPU) the waiting call raises, and
 `collective_section` turns that into a message naming the rank and what it was doing, after ending
 the other workers of its launcher at once (a frozen one ignores SIGTERM, and torchrun waits 30 s
 before its SIGKILL). With NCCL the watchdog thread ends the process itself and logs the rank and the
@@ -58,6 +60,8 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 REPEAT_WINDOW_S = 2.0
 TIMEOUT_ENV = "DFLASH2_DIST_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600.0
+STARTUP_TIMEOUT_ENV = "DFLASH2_STARTUP_TIMEOUT_S"
+DEFAULT_STARTUP_TIMEOUT_S = 1800.0
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 STOP_MARKER = "stopped.json"
 RUN_LOCK = ".run.lock"
@@ -275,16 +279,59 @@ def exit_with_launcher() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
 
 
-def collective_timeout() -> timedelta:
-    """How long any rank waits for a collective or a transfer: DFLASH2_DIST_TIMEOUT_S (default 600)."""
-    text = os.environ.get(TIMEOUT_ENV, "")
+def _seconds(name: str, default: float, what: str) -> timedelta:
+    text = os.environ.get(name, "")
     try:
-        seconds = float(text) if text else DEFAULT_TIMEOUT_S
+        seconds = float(text) if text else default
     except ValueError:
         seconds = -1.0
     if not seconds > 0:
-        raise ValueError(f"{TIMEOUT_ENV}={text!r}: give the collective timeout in seconds (> 0)")
+        raise ValueError(f"{name}={text!r}: give the {what} in seconds (> 0)")
     return timedelta(seconds=seconds)
+
+
+def collective_timeout() -> timedelta:
+    """How long a rank waits for a collective or a transfer once it has taken its first step:
+    DFLASH2_DIST_TIMEOUT_S (default 600)."""
+    return _seconds(TIMEOUT_ENV, DEFAULT_TIMEOUT_S, "collective timeout")
+
+
+def startup_timeout() -> timedelta:
+    """How long a rank waits for a collective or a transfer before then (loading and sharding the
+    target, where one rank may read a large checkpoint while the others wait): DFLASH2_STARTUP_TIMEOUT_S,
+    by default 1800 or the collective timeout where that is longer."""
+    default = max(DEFAULT_STARTUP_TIMEOUT_S, collective_timeout().total_seconds())
+    return _seconds(STARTUP_TIMEOUT_ENV, default, "start-up collective timeout")
+
+
+_in_steps = False  # this process's groups wait collective_timeout() (enter_steps), not startup_timeout()
+
+
+def enter_steps() -> None:
+    """Every process group of this process waits at most collective_timeout() from here on (they
+    were made with startup_timeout()). Call it once this rank's first step is done: its peers then
+    have finished their start-up too. A no-op without a process group and when called again."""
+    global _in_steps
+    import torch.distributed as dist
+
+    if _in_steps or not dist.is_initialized():
+        return
+    from torch.distributed.distributed_c10d import _set_pg_timeout, _world  # no public way, torch 2.13
+
+    for group in list(_world.pg_map):
+        _set_pg_timeout(collective_timeout(), group)
+    _in_steps = True
+
+
+def enter_startup() -> None:
+    """A new process group (made with startup_timeout()): its first step lowers it again."""
+    global _in_steps
+    _in_steps = False
+
+
+def current_timeout() -> tuple[timedelta, str]:
+    """How long this process's collectives wait now, and the variable that sets it."""
+    return (collective_timeout(), TIMEOUT_ENV) if _in_steps else (startup_timeout(), STARTUP_TIMEOUT_ENV)
 
 
 def is_collective_failure(error: BaseException) -> bool:
@@ -303,10 +350,11 @@ def collective_section(what: str) -> Iterator[None]:
         if not is_collective_failure(error):
             raise
         detail = str(error).strip().splitlines()[-1] if str(error).strip() else type(error).__name__
+        waits, setting = current_timeout()
         end_sibling_workers()
         raise ReportedError(
             f"rank {global_rank()}: {what} did not complete: {detail}. Another rank stalled or died "
-            f"(collectives wait at most {collective_timeout().total_seconds():.0f} s, {TIMEOUT_ENV}); "
+            f"(collectives wait at most {waits.total_seconds():.0f} s here, {setting}); "
             "this node's other workers were ended. Resume from the latest checkpoint."
         ) from error
 

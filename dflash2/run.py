@@ -46,9 +46,9 @@ from dflash2.distributed import (
 from dflash2.faults import (
     REQUEUE_WAIT_S,
     collective_section,
-    collective_timeout,
     lock_run_dir,
     release_run_dir,
+    startup_timeout,
     stop_request,
 )
 from dflash2.hardware import warn_if_slow_bf16
@@ -90,7 +90,7 @@ def run_dir_held(cfg: RunConfig) -> Iterator[None]:
         finally:
             store.set(key, outcome)
     else:
-        store.wait([key], timedelta(seconds=REQUEUE_WAIT_S) + collective_timeout())
+        store.wait([key], timedelta(seconds=REQUEUE_WAIT_S) + startup_timeout())
         if outcome := store.get(key).decode():
             raise ValueError(outcome)
     try:
@@ -216,7 +216,7 @@ def run_disaggregated(cfg: RunConfig) -> dict[str, float]:
         plan = resolve_run(cfg, cfg.data_parallel_size(dist.get_world_size()))
         if plan.resume_from is not None:  # on every rank: capture ranks would load the target first
             check_resume(plan.resume_from, plan.contract, STATE_ONLY)  # trainers: their RNG in build_setup
-        num_capture, world_size, timeout = cfg.capture_ranks, dist.get_world_size(), collective_timeout()
+        num_capture, world_size, timeout = cfg.capture_ranks, dist.get_world_size(), startup_timeout()
         # every rank creates every group, in the same order
         capture_group = dist.new_group(list(range(num_capture)), timeout=timeout)
         trainer_group = dist.new_group(list(range(num_capture, world_size)), timeout=timeout)

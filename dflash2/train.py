@@ -32,7 +32,7 @@ from dflash2.data.loader import StepBatch, anchor_generators, check_one_global_b
 from dflash2.distributed import Backend
 from dflash2.errors import ReportedError
 from dflash2.export import export_draft
-from dflash2.faults import collective_section, stop_marker, stop_request, write_stop_marker
+from dflash2.faults import collective_section, enter_steps, stop_marker, stop_request, write_stop_marker
 from dflash2.hardware import warn_if_slow_bf16
 from dflash2.models import TargetHead, build_draft
 from dflash2.objective import ObjectiveConfig, compute_objective, plan_blocks, supervised_mask
@@ -414,6 +414,7 @@ def _loop(
         state.epoch, state.step_in_epoch = step.epoch, step.step_in_epoch
         with collective_section(f"training step {state.step + 1}"):
             sums, timing = train_step(setup, step, timer)
+        enter_steps()  # from this rank's first step on, collectives wait DFLASH2_DIST_TIMEOUT_S
         state.step += 1
         summary = setup.objective.summarize(sums)
         logger.log(state.step, summary, sums, timing, timer.step_seconds())

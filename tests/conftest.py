@@ -23,11 +23,11 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 # rank N of a job that is not there), an allocation's SLURM_* and the sbatch/srun/salloc defaults
 # (SBATCH_PARTITION would send the real SLURM test's job to a partition its cluster lacks), and the
 # project's own knobs (DFLASH2_DEBUG prints tracebacks that the error tests forbid,
-# DFLASH2_DIST_TIMEOUT_S changes how fast the fault tests see a dead rank). The tests that need one
+# DFLASH2_DIST_TIMEOUT_S and DFLASH2_STARTUP_TIMEOUT_S change how fast the fault tests see a dead rank). The tests that need one
 # set it themselves.
 OUTSIDE_ENVIRONMENT = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "MASTER_ADDR",
-    "MASTER_PORT", "TORCHELASTIC_RUN_ID", "DFLASH2_DEBUG", "DFLASH2_DIST_TIMEOUT_S",
+    "MASTER_PORT", "TORCHELASTIC_RUN_ID", "DFLASH2_DEBUG", "DFLASH2_DIST_TIMEOUT_S", "DFLASH2_STARTUP_TIMEOUT_S",
     "DFLASH2_MASTER_PORT", "DFLASH2_ROOT",
 )  # fmt: skip
 

@@ -43,6 +43,10 @@ from tests.run_helpers import (
 )
 
 CRASH_BOUND_S = 120  # a crashed rank must end the job well before any process-group timeout
+BOUNDED_WAITS = {
+    "DFLASH2_DIST_TIMEOUT_S": str(CRASH_BOUND_S),
+    "DFLASH2_STARTUP_TIMEOUT_S": str(CRASH_BOUND_S),
+}
 FAILING_TRAINER = REPO / "tests" / "dist_scripts" / "train_failing_trainer.py"
 
 
@@ -186,7 +190,7 @@ def test_a_finished_run_launched_again_ends_at_once(fsdp_disaggregated, common, 
     shutil.copytree(fsdp_disaggregated[0], run_dir)
     args = [*common, f"output_dir={run_dir}", "topology=disaggregated", "capture_ranks=1"]
     start = time.monotonic()
-    again = check_ok(launch_train(3, args, extra_env={"DFLASH2_DIST_TIMEOUT_S": str(CRASH_BOUND_S)}))
+    again = check_ok(launch_train(3, args, extra_env=BOUNDED_WAITS))
     assert time.monotonic() - start < CRASH_BOUND_S and "resumed from" in again.stdout
     assert losses(run_dir) == losses(fsdp_disaggregated[0])  # nothing trained again
 
@@ -204,7 +208,7 @@ def test_a_refused_resume_ends_every_rank_before_the_target_loads(fsdp_disaggreg
         "objective.num_anchors=4",
     ]
     start = time.monotonic()
-    refused = launch_train(3, args, extra_env={"DFLASH2_DIST_TIMEOUT_S": str(CRASH_BOUND_S)})
+    refused = launch_train(3, args, extra_env=BOUNDED_WAITS)
     output = refused.stdout + refused.stderr  # plain torchrun exits 1 whatever its workers' codes
     # the capture rank (rank 0) ended with the user error too, in torchrun's table of failures (which
     # rank torchrun saw fail first is a race: the others exit once rank 0 has printed)

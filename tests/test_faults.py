@@ -415,9 +415,21 @@ def test_launcher_exit_code_is_the_workers():
 
 def test_a_timed_out_collective_names_the_rank_and_the_operation(monkeypatch):
     monkeypatch.setenv(TIMEOUT_ENV, "15")
+    monkeypatch.setenv("DFLASH2_STARTUP_TIMEOUT_S", "40")
     gloo = "[third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 15000ms for recv"
-    with pytest.raises(ReportedError, match=r"rank 0: training step 7 did not complete: .*Timed out.*15 s"):
+    monkeypatch.setattr("dflash2.faults._in_steps", True)  # after the first step (enter_steps)
+    with pytest.raises(
+        ReportedError,
+        match=r"rank 0: training step 7 did not complete: .*Timed out.*15 s here, DFLASH2_DIST_TIMEOUT_S\)",
+    ):
         with collective_section("training step 7"):
+            raise RuntimeError(gloo)
+    monkeypatch.setattr("dflash2.faults._in_steps", False)  # before it: the start-up's timeout
+    with pytest.raises(
+        ReportedError,
+        match=r"rank 0: loading the target did not complete: .*40 s here, DFLASH2_STARTUP_TIMEOUT_S\)",
+    ):
+        with collective_section("loading the target"):
             raise RuntimeError(gloo)
     with pytest.raises(RuntimeError, match="^not a collective$"):  # any other error passes unchanged
         with collective_section("training step 7"):
@@ -425,14 +437,73 @@ def test_a_timed_out_collective_names_the_rank_and_the_operation(monkeypatch):
 
 
 def test_collective_timeout_setting(monkeypatch):
+    from dflash2.faults import STARTUP_TIMEOUT_ENV, startup_timeout
+
     monkeypatch.delenv(TIMEOUT_ENV, raising=False)
+    monkeypatch.delenv(STARTUP_TIMEOUT_ENV, raising=False)
     assert collective_timeout().total_seconds() == 600
+    assert startup_timeout().total_seconds() == 1800
     monkeypatch.setenv(TIMEOUT_ENV, "12.5")
     assert collective_timeout().total_seconds() == 12.5
+    assert startup_timeout().total_seconds() == 1800  # never shorter than its default...
+    monkeypatch.setenv(TIMEOUT_ENV, "3600")
+    assert startup_timeout().total_seconds() == 3600  # ... nor than the steps' (a job set for both)
+    monkeypatch.setenv(STARTUP_TIMEOUT_ENV, "20")
+    assert startup_timeout().total_seconds() == 20  # unless given
     for bad in ("0", "-3", "ten"):
         monkeypatch.setenv(TIMEOUT_ENV, bad)
         with pytest.raises(ValueError, match=f"{TIMEOUT_ENV}='{bad}': give the collective timeout"):
             collective_timeout()
+        monkeypatch.setenv(TIMEOUT_ENV, "600")
+        monkeypatch.setenv(STARTUP_TIMEOUT_ENV, bad)
+        with pytest.raises(ValueError, match=f"{STARTUP_TIMEOUT_ENV}='{bad}': give the start-up collective"):
+            startup_timeout()
+
+
+PHASES_SCRIPT = """
+import os, sys, time
+sys.path.insert(0, {repo!r})
+import torch.distributed as dist
+from dflash2.distributed import init_distributed
+from dflash2.errors import exit_process, run_main
+from dflash2.faults import collective_section, enter_steps, startup_timeout
+def main(argv):
+    init_distributed("fsdp")
+    pair = dist.new_group([0, 1], timeout=startup_timeout())  # a group made during start-up
+    rank = dist.get_rank()
+    if rank == 1:
+        time.sleep(4)  # loading the target, longer than the steps' timeout
+    with collective_section("start-up"):
+        dist.barrier()
+    enter_steps()
+    print(f"rank {{rank}} took its first step", flush=True)
+    if rank == 1:
+        time.sleep(30)  # stalled
+    with collective_section("training step 2"):
+        dist.barrier(group=pair)
+exit_process(run_main(main))
+"""
+
+
+def test_start_up_waits_its_own_timeout_and_the_steps_theirs(tmp_path):
+    """A rank that loads the target for longer than the steps' collective timeout is waited for (the
+    start-up timeout); once the first step is done, a stalled rank ends the job after the steps'
+    timeout, in every group, the message naming it."""
+    script = tmp_path / "phases.py"
+    script.write_text(PHASES_SCRIPT.format(repo=str(REPO)))
+    launcher = [sys.executable, str(REPO / "launch" / "torchrun.py"), "--standalone", "--nproc_per_node=2"]
+    env = {**os.environ, TIMEOUT_ENV: "2", "DFLASH2_STARTUP_TIMEOUT_S": "60"}
+    start = time.monotonic()
+    result = subprocess.run(
+        [*launcher, str(script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    took = time.monotonic() - start
+    assert result.returncode == EXIT_FAILED, result.stderr
+    assert "rank 0 took its first step" in result.stdout and "rank 1 took its first step" in result.stdout
+    assert "start-up did not complete" not in result.stderr
+    said = "rank 0: training step 2 did not complete: .*(collectives wait at most 2 s here, DFLASH2_DIST_TIMEOUT_S)"
+    assert re.search(said, result.stderr), result.stderr
+    assert took < 25, f"the stalled rank was waited for {took:.0f} s"
 
 
 def test_metrics_are_trimmed_to_the_resumed_step(tmp_path):

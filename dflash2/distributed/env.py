@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from dflash2.distributed.base import Backend
 from dflash2.distributed.registry import backend_class
-from dflash2.faults import collective_timeout
+from dflash2.faults import enter_startup, startup_timeout
 
 # DeepSpeed JIT-compiles ops (on CPU, its shared-memory comm op at init_distributed) behind a `lock`
 # file in the torch extensions directory; those builds take seconds to a few minutes
@@ -117,16 +117,17 @@ def init_distributed(backend_name: str) -> tuple[int, int, int]:
 
     Works under torchrun, under the deepspeed launcher and as a plain one-process `python` run.
     Idempotent: a second call returns the existing group's coordinates. Collectives wait at most
-    `collective_timeout()` (DFLASH2_DIST_TIMEOUT_S); groups made later must pass it too (new_group
-    does not inherit it).
-    """
+    `startup_timeout()` (DFLASH2_STARTUP_TIMEOUT_S) until the first step lowers every group's wait to
+    `collective_timeout()` (dflash2.faults.enter_steps); groups made in between must pass
+    `startup_timeout()` too (new_group does not inherit it)."""
     backend = backend_class(backend_name)
     _fill_launch_env()
     local_rank = int(os.environ["LOCAL_RANK"])
     if not dist.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(local_rank)
-        backend.start_process_group("nccl" if torch.cuda.is_available() else "gloo", collective_timeout())
+        backend.start_process_group("nccl" if torch.cuda.is_available() else "gloo", startup_timeout())
+        enter_startup()
     return dist.get_rank(), dist.get_world_size(), local_rank
 
 

@@ -105,10 +105,9 @@ dflash2_slurm_run() {
   shift
   local python=${PYTHON:-.venv/bin/python}
   export PYTHON=$python
-  # On a cluster the slowest legitimate wait is one rank reading a large target from a shared file
-  # system while the others wait in their first collective (a 27B target: 54 GB): 30 minutes unless
-  # the job says otherwise (dflash2.faults; 600 s elsewhere).
-  export DFLASH2_DIST_TIMEOUT_S=${DFLASH2_DIST_TIMEOUT_S:-1800}
+  # Collectives wait 1800 s until a rank's first step (one rank may read a large target from a shared
+  # file system while the others wait: a 27B target is 54 GB) and 600 s from then on, unless the job
+  # sets DFLASH2_STARTUP_TIMEOUT_S or DFLASH2_DIST_TIMEOUT_S (dflash2.faults); the pre-flight says which.
   # the traps first: a signal during the pre-flight (the heavy imports) is passed on once srun starts
   _dflash2_step= _dflash2_pending= _dflash2_got_usr1= _dflash2_deadline= _dflash2_watch=
   trap _dflash2_on_usr1 USR1
@@ -126,7 +125,7 @@ dflash2_slurm_run() {
   rm -f "$marker"  # a marker from an earlier start must not requeue this one
   _dflash2_say "(restart ${RESTART_COUNT}) ${NNODES} nodes x ${GPUS_PER_NODE} GPUs," \
     "${SLURM_CPUS_PER_TASK:-all the} CPUs per node, rendezvous ${MASTER_ADDR}:${MASTER_PORT}," \
-    "collective timeout ${DFLASH2_DIST_TIMEOUT_S} s; log ${log_dir}/node<N>.out"
+    "log ${log_dir}/node<N>.out"
   if [[ -n $_dflash2_pending ]]; then  # a stop signal during the pre-flight: the run is not started
     if [[ -n $_dflash2_got_usr1 ]]; then
       _dflash2_say "the time limit's SIGUSR1 came before the run started: not started, not requeued" \

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 from dflash2.checkpoint import check_resume  # noqa: E402
 from dflash2.config import check_run_paths, load_run_config  # noqa: E402
 from dflash2.errors import add_debug_flag, exit_process, run_main  # noqa: E402
-from dflash2.faults import lock_run_dir  # noqa: E402
+from dflash2.faults import STARTUP_TIMEOUT_ENV, TIMEOUT_ENV, collective_timeout, lock_run_dir, startup_timeout  # noqa: E402
 from dflash2.plan import DEVICE_GB, GIB, check_positive, plan_run  # noqa: E402
 from dflash2.run_plan import resolve_run  # noqa: E402
 
@@ -97,6 +97,9 @@ def check(config: str, overrides: list[str], world_size: int, device_gb: float |
         f"[dflash2] run config {config}: backend {cfg.backend}, topology {cfg.topology}, output_dir "
         f"{cfg.output_dir}\n[dflash2] global batch {t.micro_batch_size * t.grad_accum_steps * data_parallel}: "
         f"micro-batch {t.micro_batch_size} x {t.grad_accum_steps} accumulation steps x {data_parallel} ranks{hint}",
+        f"[dflash2] collectives wait at most {startup_timeout().total_seconds():g} s until a rank's first step "
+        f"({STARTUP_TIMEOUT_ENV}: a rank may read a large target while the others wait), "
+        f"{collective_timeout().total_seconds():g} s from then on ({TIMEOUT_ENV})",
         *memory_lines(config, overrides, cfg, plan.target_config, world_size, device_gb),
         sep="\n",
         file=sys.stderr,
