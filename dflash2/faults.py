@@ -307,26 +307,36 @@ def startup_timeout() -> timedelta:
 _in_steps = False  # this process's groups wait collective_timeout() (enter_steps), not startup_timeout()
 
 
+def _set_timeouts(timeout: timedelta) -> None:
+    """Every process group of this process waits at most `timeout` from its next operation on."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout, _world  # no public way, torch 2.13
+
+    for group in list(_world.pg_map):  # the groups this rank is a member of
+        _set_pg_timeout(timeout, group)
+
+
+def enter_startup() -> None:
+    """A run starts: every process group waits at most startup_timeout() until its first step (also
+    the groups an earlier run of this process lowered, and those made without a timeout)."""
+    global _in_steps
+    import torch.distributed as dist
+
+    _in_steps = False
+    if dist.is_initialized():
+        _set_timeouts(startup_timeout())
+
+
 def enter_steps() -> None:
-    """Every process group of this process waits at most collective_timeout() from here on (they
-    were made with startup_timeout()). Call it once this rank's first step is done: its peers then
-    have finished their start-up too. A no-op without a process group and when called again."""
+    """Every process group of this process waits at most collective_timeout() from here on. Call it
+    once this rank's first step is done: its peers have finished their start-up then, having taken
+    that step with it. A no-op without a process group, and when called again."""
     global _in_steps
     import torch.distributed as dist
 
     if _in_steps or not dist.is_initialized():
         return
-    from torch.distributed.distributed_c10d import _set_pg_timeout, _world  # no public way, torch 2.13
-
-    for group in list(_world.pg_map):
-        _set_pg_timeout(collective_timeout(), group)
+    _set_timeouts(collective_timeout())
     _in_steps = True
-
-
-def enter_startup() -> None:
-    """A new process group (made with startup_timeout()): its first step lowers it again."""
-    global _in_steps
-    _in_steps = False
 
 
 def current_timeout() -> tuple[timedelta, str]:

@@ -32,7 +32,14 @@ from dflash2.data.loader import StepBatch, anchor_generators, check_one_global_b
 from dflash2.distributed import Backend
 from dflash2.errors import ReportedError
 from dflash2.export import export_draft
-from dflash2.faults import collective_section, enter_steps, stop_marker, stop_request, write_stop_marker
+from dflash2.faults import (
+    collective_section,
+    enter_startup,
+    enter_steps,
+    stop_marker,
+    stop_request,
+    write_stop_marker,
+)
 from dflash2.hardware import warn_if_slow_bf16
 from dflash2.models import TargetHead, build_draft
 from dflash2.objective import ObjectiveConfig, compute_objective, plan_blocks, supervised_mask
@@ -131,6 +138,7 @@ def build_setup(plan: RunPlan, backend: Backend, features: FeatureSource | None 
     Seeds torch's global RNG with the run's seed (the draft's initialisation), as a launch does."""
     expect_type(plan, RunPlan, "plan", "dflash2.resolve_run(cfg)")
     expect_type(backend, Backend, "backend", "LocalBackend.from_run_config(plan.config)")
+    enter_startup()  # collectives wait DFLASH2_STARTUP_TIMEOUT_S until this rank's first step
     cfg = plan.config
     check_batch_layout(backend, cfg)
     if features is None:
@@ -156,6 +164,7 @@ def build_setup(plan: RunPlan, backend: Backend, features: FeatureSource | None 
     if cfg.objective.loss_vocab_size is not None:
         restrict_loss_vocab(head, dataset, plan.objective, backend.is_main)
     model = backend.setup_draft(draft, cfg.train, cfg.precision)
+    enter_startup()  # again: the groups the backend made for the draft (DeepSpeed's) get it too
     return Setup(plan, backend, model, draft_config, head, dataset, target=target, features=features)
 
 

@@ -463,7 +463,9 @@ def test_collective_timeout_setting(monkeypatch):
 PHASES_SCRIPT = """
 import os, sys, time
 sys.path.insert(0, {repo!r})
+import torch
 import torch.distributed as dist
+from dflash2.capture.transfer import FeatureReceiver
 from dflash2.distributed import init_distributed
 from dflash2.errors import exit_process, run_main
 from dflash2.faults import collective_section, enter_steps, startup_timeout
@@ -478,32 +480,72 @@ def main(argv):
     enter_steps()
     print(f"rank {{rank}} took its first step", flush=True)
     if rank == 1:
-        time.sleep(30)  # stalled
+        time.sleep(60)  # stalled
     with collective_section("training step 2"):
-        dist.barrier(group=pair)
+        if {mode!r} == "collective":
+            dist.barrier(group=pair)
+        else:  # a disaggregated trainer waiting for the features of its next micro-batch
+            FeatureReceiver(1, pair, 1, torch.device("cpu")).batch([0], 1)
 exit_process(run_main(main))
 """
 
 
-def test_start_up_waits_its_own_timeout_and_the_steps_theirs(tmp_path):
+@pytest.mark.parametrize("mode", ["collective", "features"])
+def test_start_up_waits_its_own_timeout_and_the_steps_theirs(tmp_path, mode):
     """A rank that loads the target for longer than the steps' collective timeout is waited for (the
     start-up timeout); once the first step is done, a stalled rank ends the job after the steps'
-    timeout, in every group, the message naming it."""
+    timeout, in a group made at start-up, in a collective or a receive of features (a gloo receive
+    keeps its group's first timeout unless given one), the message naming it."""
     script = tmp_path / "phases.py"
-    script.write_text(PHASES_SCRIPT.format(repo=str(REPO)))
+    script.write_text(PHASES_SCRIPT.format(repo=str(REPO), mode=mode))
     launcher = [sys.executable, str(REPO / "launch" / "torchrun.py"), "--standalone", "--nproc_per_node=2"]
     env = {**os.environ, TIMEOUT_ENV: "2", "DFLASH2_STARTUP_TIMEOUT_S": "60"}
     start = time.monotonic()
     result = subprocess.run(
-        [*launcher, str(script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+        [*launcher, str(script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=180
     )
     took = time.monotonic() - start
     assert result.returncode == EXIT_FAILED, result.stderr
     assert "rank 0 took its first step" in result.stdout and "rank 1 took its first step" in result.stdout
     assert "start-up did not complete" not in result.stderr
-    said = "rank 0: training step 2 did not complete: .*(collectives wait at most 2 s here, DFLASH2_DIST_TIMEOUT_S)"
+    said = r"rank 0: training step 2 did not complete: .*\(collectives wait at most 2 s here, DFLASH2_DIST_TIMEOUT_S\)"
     assert re.search(said, result.stderr), result.stderr
-    assert took < 25, f"the stalled rank was waited for {took:.0f} s"
+    assert took < 45, f"the stalled rank was waited for {took:.0f} s"
+
+
+TIMEOUTS_SCRIPT = """
+import sys
+sys.path.insert(0, {repo!r})
+import torch
+import torch.distributed as dist
+from dflash2.distributed import init_distributed
+from dflash2.faults import current_timeout, enter_startup, enter_steps
+init_distributed("fsdp")  # a one-process world
+other = dist.new_group([0])  # made without a timeout: torch's default
+def waits():
+    return [str(g._get_backend(torch.device("cpu")).options._timeout) for g in (dist.group.WORLD, other)]
+print("start", waits(), current_timeout()[1])
+enter_steps()
+print("steps", waits(), current_timeout()[1])
+enter_startup()  # the next run of this process (build_setup)
+print("again", waits(), current_timeout()[1])
+"""
+
+
+def test_a_run_starts_again_on_the_start_up_timeout(tmp_path):
+    """The first step lowers every group of the process, also one made without a timeout; the next
+    run in the process (a notebook) waits the start-up timeout again until its own first step."""
+    script = tmp_path / "timeouts.py"
+    script.write_text(TIMEOUTS_SCRIPT.format(repo=str(REPO)))
+    env = {**os.environ, TIMEOUT_ENV: "20", "DFLASH2_STARTUP_TIMEOUT_S": "70"}
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "start ['0:01:10', '0:30:00'] DFLASH2_STARTUP_TIMEOUT_S", lines
+    assert lines[1] == "steps ['0:00:20', '0:00:20'] DFLASH2_DIST_TIMEOUT_S", lines
+    assert lines[2] == "again ['0:01:10', '0:01:10'] DFLASH2_STARTUP_TIMEOUT_S", lines
 
 
 def test_metrics_are_trimmed_to_the_resumed_step(tmp_path):

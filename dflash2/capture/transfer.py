@@ -18,6 +18,8 @@ from collections import deque
 import torch
 import torch.distributed as dist
 
+from dflash2.faults import current_timeout
+
 PREFETCH_DEPTH = 2
 HEADER_FIELDS = 4  # b, S, D (feature bytes per position), dtype code; then b sample indices
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
@@ -103,17 +105,22 @@ class FeatureReceiver:
         try:
             while True:
                 header = torch.empty(self.header_size, dtype=torch.long, device=self.device)
-                dist.recv(header, self.src, group=self.group)
+                self._recv(header)
                 b, seq_len, num_bytes, code = header[:HEADER_FIELDS].tolist()
                 if b == 0:
                     self.queue.put(None)
                     return
                 payload = torch.empty(b, seq_len, num_bytes, dtype=torch.uint8, device=self.device)
-                dist.recv(payload, self.src, group=self.group)
+                self._recv(payload)
                 indices = header[HEADER_FIELDS : HEADER_FIELDS + b].tolist()
                 self.queue.put((indices, payload.view(CODE_DTYPES[code])))
         except Exception as error:  # handed to the training thread, which raises it
             self.queue.put(error)
+
+    def _recv(self, tensor: torch.Tensor) -> None:
+        """Receive into `tensor`, waiting at most the timeout of the phase this rank is in (a gloo
+        receive keeps the timeout its group was made with: the start-up's, 30 minutes by default)."""
+        dist.irecv(tensor, self.src, group=self.group).wait(timeout=current_timeout()[0])
 
     def batch(self, indices: list[int], seq_len: int) -> torch.Tensor:
         self.num_served += 1
