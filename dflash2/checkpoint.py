@@ -33,7 +33,7 @@ from safetensors.torch import load_file
 
 from dflash2.config import RunConfig, read_json_object
 from dflash2.distributed.base import Backend
-from dflash2.distributed.state_io import check_backend_meta
+from dflash2.distributed.state_io import check_backend_meta, rank_files
 from dflash2.errors import ReportedError
 from dflash2.identity import RunIdentity
 from dflash2.models.config import load_config_dict
@@ -492,32 +492,29 @@ STATE_ONLY = (0, 0)  # a `reader` of no rank: the backend state every rank reads
 
 def check_intact(ckpt_dir: Path, reader: tuple[int, int] | None = None) -> None:
     """The files a resume reads are there and whole (a copy cut short, a file system that lost a
-    write after COMPLETE): every JSON and safetensors file of the backend state (which every rank
-    reads) and the RNG state of `reader` = (rank, world size), which a rank reads where the saved
-    world size is its own; `reader` None: every rank's RNG state. A JSON file must parse, a
-    safetensors header be whole and cover its file (a file cut short). The full draft weights,
-    which export reads and a resume does not, are export's to check. Reads JSON and headers only,
-    each once a process; no collective."""
+    write after COMPLETE): the backend state's (which every rank reads: each saved rank's files, and
+    any other file under backend/) and the RNG state of `reader` = (rank, world size), which a rank
+    reads where the saved world size is its own; `reader` None: every rank's RNG state. A JSON file
+    must parse, a safetensors header be whole and cover its file (a file cut short). The full draft
+    weights, which export reads and a resume does not, are export's to check. Reads JSON and headers
+    only, each once a process; no collective."""
     ckpt_dir = Path(ckpt_dir)
     meta = _checkpoint_json(ckpt_dir, f"{BACKEND}/backend.json")
     saved = meta.get("world_size")
     if not isinstance(saved, int) or isinstance(saved, bool) or saved < 1:
-        raise ValueError(
-            f"checkpoint {ckpt_dir} is damaged: its {BACKEND}/backend.json has no number of ranks "
-            f"(world_size: {saved!r}); {_WAY_ON}"
-        )
+        raise _damaged(ckpt_dir, f"its {BACKEND}/backend.json has no number of ranks (world_size: {saved!r})")
     marker = os.stat(ckpt_dir / COMPLETE)
     key = (ckpt_dir.resolve(), marker.st_dev, marker.st_ino, marker.st_mtime_ns)
-    names = []
+    paths = set()
     if key not in _intact:
-        names += [path.relative_to(ckpt_dir).as_posix() for path in (ckpt_dir / BACKEND).rglob("*")]
+        paths |= set(rank_files(ckpt_dir / BACKEND, saved)) | set((ckpt_dir / BACKEND).rglob("*"))
     if reader is None:
         ranks = set(range(saved))
     else:
         ranks = {reader[0]} if reader[1] == saved else set()
     ranks -= _intact.get(key, set())
-    names += [f"rng_rank{rank:05d}{ext}" for rank in sorted(ranks) for ext in (".json", ".safetensors")]
-    for name in sorted(names):
+    paths |= {ckpt_dir / f"rng_rank{rank:05d}{ext}" for rank in ranks for ext in (".json", ".safetensors")}
+    for name in sorted(path.relative_to(ckpt_dir).as_posix() for path in paths):
         if name.endswith(".json"):
             _checkpoint_json(ckpt_dir, name)
         elif name.endswith(".safetensors"):
@@ -564,29 +561,28 @@ _WAY_ON = (
 )
 
 
+def _damaged(ckpt_dir: Path, what: str, way_on: str = _WAY_ON) -> ValueError:
+    return ValueError(f"checkpoint {ckpt_dir} is damaged: {what}; {way_on}")
+
+
 def _checkpoint_json(ckpt_dir: Path, name: str, way_on: str = _WAY_ON) -> dict:
     """A JSON file of a checkpoint; missing or malformed (a damaged checkpoint) is a ValueError naming
     it and the way on."""
-    damaged = f"checkpoint {ckpt_dir} is damaged"
     if not (ckpt_dir / name).is_file():
-        raise ValueError(f"{damaged}: it has no {name}; {way_on}")
-    return read_json_object(ckpt_dir / name, f"{damaged}: its {name}", way_on)
+        raise _damaged(ckpt_dir, f"it has no {name}", way_on)
+    return read_json_object(ckpt_dir / name, f"checkpoint {ckpt_dir} is damaged: its {name}", way_on)
 
 
 def _check_tensors(ckpt_dir: Path, name: str, way_on: str = _WAY_ON) -> None:
     """A safetensors file of a checkpoint is there, its header whole and covering the file (what a
     file cut short breaks); a ValueError naming it and the way on otherwise."""
-    path = ckpt_dir / name
-    damaged = f"checkpoint {ckpt_dir} is damaged"
-    if not path.is_file():
-        raise ValueError(f"{damaged}: it has no {name}; {way_on}")
+    if not (ckpt_dir / name).is_file():
+        raise _damaged(ckpt_dir, f"it has no {name}", way_on)
     try:
-        with safe_open(str(path), framework="pt"):
+        with safe_open(str(ckpt_dir / name), framework="pt"):
             pass
     except (SafetensorError, OSError) as error:
-        raise ValueError(
-            f"{damaged}: its {name} is not a whole safetensors file ({error}); {way_on}"
-        ) from None
+        raise _damaged(ckpt_dir, f"its {name} is not a whole safetensors file ({error})", way_on) from None
 
 
 def holds_draft(path: Path) -> bool:
@@ -596,10 +592,8 @@ def holds_draft(path: Path) -> bool:
 
 def read_draft(ckpt_dir: Path) -> tuple[dict[str, torch.Tensor], dict]:
     """(full fp32 draft state dict, draft config dict) of a checkpoint: what export reads."""
-    ckpt_dir, way_on = (
-        Path(ckpt_dir),
-        "export an earlier checkpoint of the run, or resume the run and export the next one",
-    )
+    ckpt_dir = Path(ckpt_dir)
+    way_on = "export an earlier checkpoint of the run, or resume the run and export the next one"
     _check_tensors(ckpt_dir, DRAFT_WEIGHTS, way_on)
     config = _checkpoint_json(ckpt_dir, DRAFT_CONFIG, way_on)
     return load_file(ckpt_dir / DRAFT_WEIGHTS), load_config_dict(config)

@@ -351,14 +351,15 @@ _MORE_TOKENIZER_FILES = (
 )
 
 
+def has_tokenizer(directory: str | Path) -> bool:
+    """Whether a model directory holds any tokenizer file."""
+    patterns = TOKENIZER_FILES + _MORE_TOKENIZER_FILES
+    return any(path.is_file() for pattern in patterns for path in Path(directory).glob(pattern))
+
+
 def tokenizer_problems(directory: str | Path, name: str) -> list[str]:
     """A model directory without any tokenizer file (transformers would ask for sentencepiece)."""
-    directory = Path(directory)
-    if any(
-        path.is_file()
-        for pattern in TOKENIZER_FILES + _MORE_TOKENIZER_FILES
-        for path in directory.glob(pattern)
-    ):
+    if has_tokenizer(directory):
         return []
     return [
         f"{name}={str(directory)!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}, ...): copy the "

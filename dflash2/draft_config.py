@@ -20,7 +20,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from dflash2.config import tokenizer_problems
+from dflash2.config import has_tokenizer
 from dflash2.data.render import stop_token_ids
 from dflash2.errors import add_debug_flag, exit_process, run_main
 from dflash2.models.config import (
@@ -180,7 +180,7 @@ def require(text: dict, key: str) -> Any:
 
 def tokenizer_if_any(target_dir: Path):
     """The target's tokenizer, or None for a directory that holds a config.json alone."""
-    if tokenizer_problems(target_dir, "--target"):
+    if not has_tokenizer(target_dir):
         return None
     from transformers import AutoTokenizer
 

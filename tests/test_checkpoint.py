@@ -46,14 +46,14 @@ class FakeBackend:
     def full_draft_state_dict(self) -> dict[str, torch.Tensor]:
         return {"layer.weight": torch.full((2, 3), self.weight)}
 
-    def save_state(self, ckpt_dir: Path) -> None:
+    def save_state(self, ckpt_dir: Path) -> None:  # the layout of every real backend (state_io)
         ckpt_dir.mkdir(parents=True)
-        (ckpt_dir / "state.json").write_text(json.dumps({"weight": self.weight}))
+        state_io.save_state({"weight": self.weight}, ckpt_dir / "rank00000")
         state_io.write_backend_meta(ckpt_dir, self.name, self.world_size)
 
     def load_state(self, ckpt_dir: Path, num_saved_ranks: int) -> None:
         assert num_saved_ranks == self.world_size
-        self.weight = json.loads((ckpt_dir / "state.json").read_text())["weight"]
+        self.weight = state_io.ShardedState(ckpt_dir, num_saved_ranks).load(lambda shape: (0, 0))["weight"]
         self.loaded_from = ckpt_dir
 
 
@@ -582,7 +582,6 @@ def test_a_damaged_state_file_is_named_before_anything_loads(tmp_path):
     from dflash2.checkpoint import read_draft
 
     good = save(FakeBackend(weight=4.0), tmp_path / "run", 1)
-    state_io.save_state({"w": torch.arange(6.0)}, good / "backend" / "rank00000")  # a real shard
     check_resume(good, CONTRACT)
 
     def cut(path: Path) -> None:
@@ -592,7 +591,8 @@ def test_a_damaged_state_file_is_named_before_anything_loads(tmp_path):
         "its backend/rank00000.safetensors is not a whole safetensors file": lambda c: cut(c / "backend/rank00000.safetensors"),
         "its rng_rank00000.safetensors is not a whole safetensors file": lambda c: cut(c / "rng_rank00000.safetensors"),
         r"its rng_rank00000.json is not valid JSON \(": lambda c: cut(c / "rng_rank00000.json"),
-        "its backend/state.json is not valid JSON": lambda c: cut(c / "backend/state.json"),
+        "its backend/rank00000.json is not valid JSON": lambda c: cut(c / "backend/rank00000.json"),
+        "it has no backend/rank00000.safetensors": lambda c: (c / "backend/rank00000.safetensors").unlink(),
         "it has no rng_rank00000.safetensors": lambda c: (c / "rng_rank00000.safetensors").unlink(),
         "its backend/backend.json has no number of ranks": lambda c: (c / "backend/backend.json").write_text('{"backend": "fake"}'),
     }  # fmt: skip
@@ -610,11 +610,11 @@ def test_a_damaged_state_file_is_named_before_anything_loads(tmp_path):
         assert backend.loaded_from is None and torch.equal(torch.rand(3), expected_draw)
     # found intact once, a checkpoint is not read again in this process, unless written again at
     # its path (a new COMPLETE marker)
-    cut(good / "backend/state.json")
+    cut(good / "backend/rank00000.json")
     check_resume(good, CONTRACT)
     (good / "COMPLETE").unlink()
     (good / "COMPLETE").write_text("")
-    with pytest.raises(ValueError, match="its backend/state.json is not valid JSON"):
+    with pytest.raises(ValueError, match="its backend/rank00000.json is not valid JSON"):
         check_resume(good, CONTRACT)
     shutil.rmtree(good)
     good = save(FakeBackend(weight=4.0), tmp_path / "run", 1)

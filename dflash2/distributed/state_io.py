@@ -96,17 +96,22 @@ def _shard_starts(tree: Any, starts: dict[str, int]) -> None:
             _shard_starts(value, starts)
 
 
+def rank_files(directory: Path, num_ranks: int) -> list[Path]:
+    """The files that `num_ranks` ranks' save_state wrote under `directory`: a JSON structure and a
+    safetensors file each."""
+    return [
+        Path(directory) / f"rank{rank:05d}{ext}"
+        for rank in range(num_ranks)
+        for ext in (".json", ".safetensors")
+    ]
+
+
 class ShardedState:
     """The state that `num_ranks` ranks saved with `save_state` under `directory/rankRRRRR`."""
 
     def __init__(self, directory: Path, num_ranks: int) -> None:
         self.prefixes = [Path(directory) / f"rank{rank:05d}" for rank in range(num_ranks)]
-        missing = [
-            str(p) + ext
-            for p in self.prefixes
-            for ext in (".json", ".safetensors")
-            if not Path(str(p) + ext).is_file()
-        ]
+        missing = [str(path) for path in rank_files(directory, num_ranks) if not path.is_file()]
         if missing:
             raise ValueError(f"incomplete checkpoint: missing {missing}; resume from another checkpoint")
         self.trees = [json.loads(Path(str(p) + ".json").read_text()) for p in self.prefixes]
