@@ -153,7 +153,7 @@ def decode_check(
     prompt = encode_prompt(prompt_turns(sample["conversations"]), tokenizer, template_kwargs)
     stop_ids = stop_token_ids(tokenizer, target)
     reference = target_generate(target, prompt, max_new_tokens=max_new_tokens, stop_token_ids=stop_ids)
-    ids, _, _ = render_with_token_ids(sample["conversations"], tokenizer, template_kwargs)
+    ids = render_with_token_ids(sample["conversations"], tokenizer, template_kwargs).input_ids
     result = {
         "block_size": block_size,
         "target_tokens": len(reference),

@@ -124,6 +124,87 @@ def test_a_reply_after_a_think_block_the_template_adds_trains_after_its_generati
     assert tokenizer.decode([t for t, m in zip(text_ids, text_mask) if m]) == content
 
 
+# A template that, as Qwen3's do, drops the thinking of the replies before the last user turn.
+HISTORY_TEMPLATE = (
+    "{%- set ns = namespace(last_user=-1) %}"
+    "{%- for m in messages %}{%- if m['role'] == 'user' %}{%- set ns.last_user = loop.index0 %}{%- endif %}"
+    "{%- endfor %}"
+    "{%- for m in messages %}{%- set content = m['content'] %}"
+    "{%- if m['role'] == 'assistant' and loop.index0 < ns.last_user and '</think>' in content %}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') %}{%- endif %}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + content + '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+FIRST = {
+    "role": "assistant",
+    "content": "<think>\nThey want seven numbers.\n</think>\n\n3, 4, 5, 6, 7, 8, 9.",
+}
+AGAIN = {"role": "user", "content": "And back?"}
+SECOND = {"role": "assistant", "content": "<think>\nReverse it.\n</think>\n\n9, 8, 7, 6, 5, 4, 3."}
+
+
+def test_an_earlier_reply_the_template_rewrites_is_context_and_the_later_one_trains(
+    tiny_default, tiny_tokenizer, tmp_path
+):
+    """A thinking conversation of two turns: the first reply is rendered without its thinking once
+    the second user turn follows it, which is what the target was given when it wrote the second
+    reply; that context stays unsupervised and the second reply trains, with text or exact ids."""
+    from transformers import AutoTokenizer
+
+    from dflash2.data.render import encode_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_default.target_dir)
+    tokenizer.chat_template = HISTORY_TEMPLATE
+    conversation = [USER, FIRST, AGAIN, SECOND]
+    assert FIRST["content"] not in tokenizer.apply_chat_template(conversation, tokenize=False)  # the premise
+    spelled = _spelled_out(tokenizer, SECOND["content"])
+    with_ids = [USER, {**FIRST, "token_ids": _spelled_out(tokenizer, FIRST["content"])}, AGAIN]
+    rows = [
+        {"id": "text", "conversations": conversation},
+        {"id": "ids", "conversations": [*with_ids, {**SECOND, "token_ids": spelled}]},
+        {"id": "one", "conversations": [USER, FIRST]},
+    ]
+    dataset, summary = prepare_dataset(_write_jsonl(tmp_path / "turns.jsonl", rows), tokenizer, 512)
+
+    # Reference: the prompt of the second turn, as the target was given it, then that reply's tokens.
+    prompt = encode_prompt([USER, FIRST, AGAIN], tokenizer)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    newline = tokenizer("\n", add_special_tokens=False)["input_ids"]
+    canonical = tokenizer(SECOND["content"], add_special_tokens=False)["input_ids"]
+    for row, reply_ids in zip(dataset, (canonical, spelled)):
+        assert row["input_ids"] == prompt + reply_ids + [im_end] + newline
+        assert row["loss_mask"] == [0] * len(prompt) + [1] * (len(reply_ids) + 1) + [0] * len(newline)
+    assert dataset[0]["input_ids"] == _ids(tokenizer, conversation)
+    assert dataset[2]["loss_mask"] == expected_loss_mask(tokenizer, [USER, FIRST])  # alone, it trains
+    assert summary["num_kept"] == 3 and summary["num_dropped"] == 0
+    assert summary["num_history_replies"] == 2 and summary["history_reply_lines"] == [1, 2]
+
+
+def test_a_reply_the_template_rewrites_even_last_is_a_template_mismatch(tiny_default, tmp_path, caplog):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_default.target_dir)
+    tokenizer.chat_template = HISTORY_TEMPLATE.replace("loop.index0 < ns.last_user and ", "")
+    rows = [
+        {"id": "two", "conversations": [USER, FIRST, AGAIN, SECOND]},
+        {"id": "one", "conversations": [USER, FIRST]},
+    ]
+    path = _write_jsonl(tmp_path / "rewritten.jsonl", [VALID, *rows])
+    with caplog.at_level("WARNING"):
+        _, summary = prepare_dataset(path, tokenizer, 512)
+    assert summary["num_kept"] == 1 and summary["dropped_by_reason"] == {"template_mismatch": 2}
+    assert summary["num_history_replies"] == 0
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == [
+        f"{path}:{line}: turn {turn} (assistant): reply followed by '<|im_end|>' not found verbatim in the text "
+        "rendered by the chat template (the template rewrites it, or its end-of-turn marker differs from the "
+        "tokenizer's eos token: prepare the data with data_prep/prepare.py --end-of-turn <marker> and train on "
+        "the directory it writes) (dropped)"
+        for line, turn in ((2, 2), (3, 2))
+    ]
+
+
 MALFORMED = [
     ("{not json", "invalid_json", "invalid JSON"),
     ("[1, 2]", "not_an_object", "expected a JSON object"),

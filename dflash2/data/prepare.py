@@ -11,6 +11,12 @@ conversation, or without one that can be trained on, is an error. The summary co
 A reply that carries `token_ids` (written by regeneration with a local target) trains on those ids,
 not on its re-tokenised text; a sample whose text does not re-tokenise to its ids is kept, counted
 (`num_token_ids_mismatch`) and its line reported.
+
+A reply that the chat template renders otherwise once a later turn follows it (Qwen3's templates
+drop the thinking of earlier replies) is kept in the conversation as the template renders it there,
+unsupervised: it is what the target was given when it wrote the later replies, which are trained on
+(`num_history_replies`). Any other reply not found verbatim in the rendered text drops its sample
+(`template_mismatch`).
 """
 
 from __future__ import annotations
@@ -63,6 +69,14 @@ class _Tally:
     duplicates: list[dict[str, int]] = field(default_factory=list)
     num_with_token_ids: int = 0
     token_ids_mismatches: list[int] = field(default_factory=list)  # line numbers, all of them
+    num_history_replies: int = 0
+    history_reply_lines: list[int] = field(default_factory=list)
+
+    def history(self, line_number: int, count: int) -> None:
+        """Replies the template rewrites once a later turn follows them: kept as context."""
+        self.num_history_replies += count
+        if count and len(self.history_reply_lines) < MAX_REPORTED_ERRORS:
+            self.history_reply_lines.append(line_number)
 
     def token_ids(self, line_number: int, matches_text: bool) -> None:
         self.num_with_token_ids += 1
@@ -129,9 +143,7 @@ def prepare_dataset(
         tally.num_lines += 1
         try:
             sample = _parse_unique(line, line_number, first_line_of_id)
-            input_ids, loss_mask, matches_text = render_with_token_ids(
-                sample.messages, tokenizer, chat_template_kwargs, end_of_turn
-            )
+            rendered = render_with_token_ids(sample.messages, tokenizer, chat_template_kwargs, end_of_turn)
         except SampleError as error:
             if on_error == "fail":
                 raise ValueError(
@@ -139,9 +151,9 @@ def prepare_dataset(
                 ) from None
             tally.drop(error, line_number)
             continue
-        truncated = len(input_ids) > max_length
+        truncated = len(rendered.input_ids) > max_length
         try:
-            input_ids, loss_mask = _fit(input_ids, loss_mask, max_length)
+            input_ids, loss_mask = _fit(rendered.input_ids, rendered.loss_mask, max_length)
         except SampleError as error:
             tally.drop(error, line_number)
             continue
@@ -153,7 +165,8 @@ def prepare_dataset(
                 continue
         first_line_of_turns.setdefault(turns, line_number)
         if any("token_ids" in turn for turn in sample.messages):  # of the kept samples
-            tally.token_ids(line_number, matches_text)
+            tally.token_ids(line_number, rendered.matches_text)
+        tally.history(line_number, rendered.history_replies)
         tally.num_truncated += truncated
         rows["id"].append(sample.id)
         rows["input_ids"].append(input_ids)
@@ -229,6 +242,8 @@ def _summary(jsonl_path, max_length: int, chat_template_kwargs, rows: dict, tall
         "num_with_token_ids": tally.num_with_token_ids,
         "num_token_ids_mismatch": len(tally.token_ids_mismatches),
         "token_ids_mismatch_lines": tally.token_ids_mismatches[:MAX_REPORTED_ERRORS],
+        "num_history_replies": tally.num_history_replies,
+        "history_reply_lines": tally.history_reply_lines,
         "num_tokens": sum(map(len, rows["input_ids"])),
         "num_supervised_tokens": sum(map(sum, rows["loss_mask"])),
         "errors": tally.errors,
@@ -246,6 +261,16 @@ def describe(summary: dict[str, Any]) -> str:
         f"truncated {summary['num_truncated']}; {summary['num_supervised_tokens']} supervised of "
         f"{summary['num_tokens']} tokens; {summary['num_with_token_ids']} with the target's token ids "
         f"({summary['num_token_ids_mismatch']} of them do not re-tokenise from their text)"
+        + _history_clause(summary["num_history_replies"])
+    )
+
+
+def _history_clause(count: int) -> str:
+    if not count:
+        return ""
+    return (
+        f"; {count} earlier replies kept as unsupervised context (the chat template renders them otherwise "
+        "once a later turn follows, e.g. without their thinking: the later turns' prompt as the target saw it)"
     )
 
 

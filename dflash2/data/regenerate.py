@@ -140,7 +140,9 @@ class LocalTargetGenerator:
         for history, reply in zip(histories, replies):
             turn = {"role": "assistant", "content": reply.text, "token_ids": reply.token_ids}
             try:
-                ids, _, _ = render_with_token_ids([*history, turn], self.tokenizer, self.chat_template_kwargs)
+                ids = render_with_token_ids(
+                    [*history, turn], self.tokenizer, self.chat_template_kwargs
+                ).input_ids
             except SampleError:  # not renderable as training renders it: the finish captures it
                 ids = None
             conversations.append(ids)

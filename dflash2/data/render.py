@@ -13,7 +13,7 @@ exactly what `encode_prompt` gives, followed by the generated ids and the end-of
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from dflash2.data.jsonl import SampleError
 
@@ -78,24 +78,36 @@ def cut_at_length(reply: dict) -> bool:
     return reply.get("finish_reason") == "length"
 
 
+class Rendered(NamedTuple):
+    """A conversation as training reads it: its ids and loss mask; whether the ids are the
+    tokenisation of the rendered text (False: some reply's `token_ids` are not); and how many of its
+    replies the template renders otherwise once a later turn follows them (`_rendered_replies`),
+    kept as unsupervised context."""
+
+    input_ids: list[int]
+    loss_mask: list[int]
+    matches_text: bool
+    history_replies: int
+
+
 def render_with_loss_mask(
     messages: list[dict[str, str]],
     tokenizer: Any,
     chat_template_kwargs: dict[str, Any] | None = None,
     end_of_turn: str | None = None,
-) -> tuple[list[int], list[int]]:
-    """(input_ids, loss_mask) of the whole rendered conversation; raises SampleError when a reply
-    cannot be found verbatim (followed by its end-of-turn marker) in the rendered text."""
+) -> Rendered:
+    """The whole rendered conversation, tokenised, with its loss mask; raises SampleError when a reply
+    cannot be found verbatim (followed by its end-of-turn marker) in the text the template renders for
+    it (`_rendered_replies`)."""
     end_of_turn = _end_of_turn(tokenizer, end_of_turn)
     text, reply_spans = _rendered_replies(messages, tokenizer, chat_template_kwargs, end_of_turn)
-    replies = [message for message in messages if message["role"] == "assistant"]
     spans = [  # a reply cut at the length limit: its end-of-turn marker is not the target's
         (start, content_end if cut_at_length(reply) else end)
-        for reply, (start, content_end, end) in zip(replies, reply_spans)
+        for reply, (start, content_end, end) in _supervised(messages, reply_spans)
     ]
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     loss_mask = [int(_overlaps(token, spans)) for token in encoding["offset_mapping"]]
-    return list(encoding["input_ids"]), loss_mask
+    return Rendered(list(encoding["input_ids"]), loss_mask, True, reply_spans.count(None))
 
 
 def render_with_token_ids(
@@ -103,8 +115,8 @@ def render_with_token_ids(
     tokenizer: Any,
     chat_template_kwargs: dict[str, Any] | None = None,
     end_of_turn: str | None = None,
-) -> tuple[list[int], list[int], bool]:
-    """(input_ids, loss_mask, matches_text) of a conversation whose replies may carry `token_ids`.
+) -> Rendered:
+    """A conversation whose replies may carry `token_ids`, as training reads it.
 
     Without any `token_ids` this is render_with_loss_mask (matches_text True). Otherwise the text
     before, between and after the replies is tokenised piece by piece, each reply with ids is placed
@@ -116,7 +128,7 @@ def render_with_token_ids(
     often padded beyond it): the target emitted it, so it is the label.
     """
     if not any("token_ids" in message for message in messages):
-        return (*render_with_loss_mask(messages, tokenizer, chat_template_kwargs, end_of_turn), True)
+        return render_with_loss_mask(messages, tokenizer, chat_template_kwargs, end_of_turn)
     end_of_turn = _end_of_turn(tokenizer, end_of_turn)
     text, reply_spans = _rendered_replies(messages, tokenizer, chat_template_kwargs, end_of_turn)
     replies = [message for message in messages if message["role"] == "assistant"]
@@ -131,7 +143,7 @@ def render_with_token_ids(
                 f"reply {number}: its 'token_ids' do not decode to its content (the text was changed after "
                 "the ids were generated, or the ids belong to another reply); regenerate it or remove 'token_ids'",
             )
-    for reply, (start, content_end, end) in zip(replies, reply_spans):
+    for reply, (start, content_end, end) in _supervised(messages, reply_spans):
         before = _encode(tokenizer, text[cursor:start])
         reply_ids = reply.get("token_ids") or _encode(tokenizer, text[start:content_end])
         closing = _encode(tokenizer, text[content_end:end])  # whitespace and the end-of-turn marker
@@ -140,19 +152,37 @@ def render_with_token_ids(
         cursor = end
     after = _encode(tokenizer, text[cursor:])
     input_ids, loss_mask = input_ids + after, loss_mask + [0] * len(after)
-    return input_ids, loss_mask, input_ids == _encode(tokenizer, text)
+    return Rendered(input_ids, loss_mask, input_ids == _encode(tokenizer, text), reply_spans.count(None))
 
 
 def _rendered_replies(
     messages: list[dict], tokenizer: Any, chat_template_kwargs: dict[str, Any] | None, end_of_turn: str
-) -> tuple[str, list[tuple[int, int, int]]]:
-    """The conversation's text and each reply's span in it (`_assistant_spans`). When the
-    conversation ends with a reply and the template puts text between the generation prompt and
-    that reply (Qwen3's templates add an empty think block before a reply without `</think>`, such
-    as a thinking reply cut at the length limit), the text before the reply is the generation
+) -> tuple[str, list[tuple[int, int, int] | None]]:
+    """The conversation's text and each reply's span in it (`_assistant_spans`).
+
+    A reply the template renders otherwise once a later turn follows it (Qwen3's templates drop the
+    thinking of replies before the last user turn) has no span (None): the target was given that
+    rewritten history when it wrote the later replies, so it is context, unsupervised. Only such a
+    reply, one found verbatim where the conversation ends with it, may lack a span; any other reply
+    not found is a `template_mismatch`.
+
+    When the conversation ends with a reply and the template puts text between the generation prompt
+    and that reply (Qwen3's templates add an empty think block before a reply without `</think>`,
+    such as a thinking reply cut at the length limit), the text before the reply is the generation
     prompt itself: what the target was given when it wrote the reply, and what a server gives it."""
+    rendering = (tokenizer, chat_template_kwargs, end_of_turn)
     text = render_text(messages, tokenizer, chat_template_kwargs)
     spans = _assistant_spans(text, messages, end_of_turn)
+    turns = [number for number, message in enumerate(messages, start=1) if message["role"] == "assistant"]
+    for turn, span in zip(turns, spans):
+        if span is None and (turn == len(messages) or not _verbatim_when_last(messages[:turn], *rendering)):
+            raise SampleError(
+                "template_mismatch",
+                f"turn {turn} (assistant): reply followed by {end_of_turn!r} not found verbatim in the "
+                "text rendered by the chat template (the template rewrites it, or its end-of-turn marker differs "
+                "from the tokenizer's eos token: prepare the data with data_prep/prepare.py --end-of-turn <marker> "
+                "and train on the directory it writes)",
+            )
     if len(messages) < 2 or messages[-1]["role"] != "assistant":
         return text, spans
     start = spans[-1][0]
@@ -161,6 +191,20 @@ def _rendered_replies(
         return text, spans
     shift = start - len(prompt)
     return prompt + text[start:], [*spans[:-1], tuple(position - shift for position in spans[-1])]
+
+
+def _verbatim_when_last(
+    messages: list[dict], tokenizer: Any, chat_template_kwargs: dict[str, Any] | None, end_of_turn: str
+) -> bool:
+    """Whether the template renders the last reply of `messages` verbatim where nothing follows it."""
+    text = render_text(messages, tokenizer, chat_template_kwargs)
+    return _assistant_spans(text, messages, end_of_turn)[-1] is not None
+
+
+def _supervised(messages: list[dict], spans: list) -> list[tuple[dict, tuple[int, int, int]]]:
+    """(reply, span) of each reply that has a span: the replies the loss mask covers."""
+    replies = [message for message in messages if message["role"] == "assistant"]
+    return [(reply, span) for reply, span in zip(replies, spans) if span is not None]
 
 
 def _encode(tokenizer: Any, text: str) -> list[int]:
@@ -183,10 +227,10 @@ def _end_of_turn(tokenizer: Any, end_of_turn: str | None) -> str:
 
 def _assistant_spans(
     text: str, messages: list[dict[str, str]], end_of_turn: str
-) -> list[tuple[int, int, int]]:
-    """(start, content end, end) character positions of each assistant reply; [start, end) covers the
-    reply plus its end-of-turn marker. A reply with `token_ids` is searched verbatim (its ids are
-    the whole content), any other with surrounding whitespace stripped.
+) -> list[tuple[int, int, int] | None]:
+    """(start, content end, end) character positions of each assistant reply, None for a reply not
+    found; [start, end) covers the reply plus its end-of-turn marker. A reply with `token_ids` is
+    searched verbatim (its ids are the whole content), any other with surrounding whitespace stripped.
 
     Messages are searched in order from a moving cursor, so a reply is never matched inside an
     earlier turn. A reply must be followed (after optional whitespace) by `end_of_turn`, which also
@@ -194,7 +238,7 @@ def _assistant_spans(
     """
     spans = []
     cursor = 0
-    for turn_number, message in enumerate(messages, start=1):
+    for message in messages:
         content = message["content"].strip()
         if message["role"] != "assistant":
             found = text.find(content, cursor)
@@ -203,16 +247,8 @@ def _assistant_spans(
         if "token_ids" in message:
             content = message["content"]
         span = _find_reply(text, content, cursor, end_of_turn)
-        if span is None:
-            raise SampleError(
-                "template_mismatch",
-                f"turn {turn_number} (assistant): reply followed by {end_of_turn!r} not found verbatim in the "
-                "text rendered by the chat template (the template rewrites it, or its end-of-turn marker differs "
-                "from the tokenizer's eos token: prepare the data with data_prep/prepare.py --end-of-turn <marker> "
-                "and train on the directory it writes)",
-            )
-        spans.append((span[0], span[0] + len(content), span[1]))
-        cursor = span[1]
+        spans.append(None if span is None else (span[0], span[0] + len(content), span[1]))
+        cursor = cursor if span is None else span[1]
     return spans
 
 
