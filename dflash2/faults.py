@@ -339,6 +339,11 @@ def enter_steps() -> None:
     _in_steps = True
 
 
+def in_steps() -> bool:
+    """Whether this process's groups wait the steps' timeout now (`enter_steps` was called)."""
+    return _in_steps
+
+
 def current_timeout() -> tuple[timedelta, str]:
     """How long this process's collectives wait now, and the variable that sets it."""
     return (collective_timeout(), TIMEOUT_ENV) if _in_steps else (startup_timeout(), STARTUP_TIMEOUT_ENV)

@@ -46,6 +46,8 @@ from dflash2.distributed import (
 from dflash2.faults import (
     REQUEUE_WAIT_S,
     collective_section,
+    enter_steps,
+    in_steps,
     lock_run_dir,
     release_run_dir,
     startup_timeout,
@@ -56,8 +58,10 @@ from dflash2.identity import data_identity
 from dflash2.run_plan import RunPlan, resolve_run
 from dflash2.train import build_setup, fit
 
-# Keys in the job's rendezvous store (disaggregated): a rank was asked to stop / the trainers are done.
+# Keys in the job's rendezvous store (disaggregated): a rank was asked to stop / the trainers have
+# taken their first step (the capture ranks wait the steps' timeout from then on) / they are done.
 STOP_KEY = "dflash2/stop_requested"
+TRAINERS_STEPPING_KEY = "dflash2/trainers_stepping"
 TRAINERS_DONE_KEY = "dflash2/trainers_done"
 RUN_DIR_KEY = "dflash2/run_dir_lock"  # whether rank 0 locked the output directory ("": it did)
 
@@ -265,6 +269,8 @@ def run_capture_rank(
 
     def send(number: int, micro: dict[int, list[int]]) -> bool:
         """Capture micro-batch `number` for every trainer served; False: the trainers have stopped."""
+        if not in_steps() and store.check([TRAINERS_STEPPING_KEY]):
+            enter_steps()  # the trainers have started: wait for them as long as they wait for each other
         with collective_section(f"capture of micro-batch {number}"):
             if stop_request.agreed(backend, store.check([TRAINERS_DONE_KEY])):  # every capture rank agrees
                 stop_request.stopped = True
@@ -314,7 +320,18 @@ def run_trainer_rank(
         setup = build_setup(plan, backend, features=receiver)
     save_resolved_config(cfg, backend)  # only once the resume has been accepted
     store = dist.distributed_c10d._get_default_store()  # the job's rendezvous store (no public getter)
-    summary = fit(setup, stop_vote=lambda: stop_request.signal_name is not None or store.check([STOP_KEY]))
+    told = False
+
+    def stop_vote() -> bool:
+        """This trainer's vote on stopping, asked before each step; once a step is done, trainer 0
+        tells the capture ranks, which then wait for the trainers the steps' timeout too."""
+        nonlocal told
+        if backend.is_main and in_steps() and not told:
+            store.set(TRAINERS_STEPPING_KEY, "1")
+            told = True
+        return stop_request.signal_name is not None or store.check([STOP_KEY])
+
+    summary = fit(setup, stop_vote=stop_vote)
     if backend.is_main:
         store.set(TRAINERS_DONE_KEY, "1")  # the capture ranks stop sending
     with collective_section("receiving the features sent past the last step"):

@@ -248,6 +248,23 @@ def test_a_crashed_trainer_stops_the_whole_job(common, tmp_path):
     assert elapsed < CRASH_BOUND_S, f"the job took {elapsed:.0f} s to stop"
 
 
+def test_a_trainer_that_stops_responding_after_its_first_step_is_found_in_the_steps_timeout(common, tmp_path):
+    """One capture rank and one trainer: once the trainer has taken a step, the capture rank waits
+    for it DFLASH2_DIST_TIMEOUT_S, not the start-up's timeout, which it waited before."""
+    overrides = [*common, f"output_dir={tmp_path}", "topology=disaggregated", "capture_ranks=1"]
+    overrides += ["train.max_steps=40", "train.export=false"]
+    waits = {"DFLASH2_DIST_TIMEOUT_S": "3", "DFLASH2_STARTUP_TIMEOUT_S": str(CRASH_BOUND_S)}
+    start = time.monotonic()
+    # global rank 1 (the trainer) stops responding at its third micro-batch, after its second step
+    command = [*torchrun(2), str(FAILING_TRAINER), "--stall-at", "1:3", "--config", str(TINY_CONFIG)]
+    result = run([*command, *overrides], extra_env=waits)
+    elapsed = time.monotonic() - start
+    assert "rank 1 stalls at micro-batch 3" in result.stdout, result.stdout + result.stderr
+    said = r"rank 0: capture of micro-batch \d+ did not complete: .*\(collectives wait at most 3 s here, DFLASH2_DIST_TIMEOUT_S\)"
+    assert result.returncode != 0 and re.search(said, result.stderr), result.stderr
+    assert elapsed < CRASH_BOUND_S - 30, f"the stalled trainer was waited for {elapsed:.0f} s"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["deepspeed", "fsdp"])
 def test_two_capture_ranks_share_the_target_and_match_colocated(colocated, common, tmp_path, backend):

@@ -58,7 +58,7 @@ class FeatureSender:
         pending = self.in_flight.setdefault(dst, deque())
         while len(pending) >= self.depth:
             for work in pending.popleft()[0]:
-                work.wait()
+                work.wait(timeout=current_timeout()[0])  # a gloo send, too, keeps its group's first timeout
         header_t = torch.full((self.header_size,), -1, dtype=torch.long, device=self.device)
         header_t[: len(header)] = torch.tensor(header, dtype=torch.long)
         works = [dist.isend(header_t, dst, group=self.group)]
@@ -79,7 +79,7 @@ class FeatureSender:
         for pending in self.in_flight.values():
             for works, *_ in pending:
                 for work in works:
-                    work.wait()
+                    work.wait(timeout=current_timeout()[0])
 
 
 class FeatureReceiver:

@@ -2,14 +2,15 @@
 
     torchrun ... tests/dist_scripts/train_failing_trainer.py --fail-at <global rank>:<n> --config ...
 
-makes that rank raise when it asks for its n-th micro-batch of features; everything else is the real
-entry point, unchanged.
+makes that rank raise when it asks for its n-th micro-batch of features (`--stall-at`: stop responding
+there, its feature receiver still running); everything else is the real entry point, unchanged.
 """
 
 from __future__ import annotations
 
 import runpy
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -20,11 +21,14 @@ import torch.distributed as dist  # noqa: E402
 from dflash2.capture.transfer import FeatureReceiver  # noqa: E402
 
 
-def fail_at(rank: int, micro_batch: int) -> None:
+def fail_at(rank: int, micro_batch: int, stall: bool) -> None:
     receive = FeatureReceiver.batch
 
     def batch(self: FeatureReceiver, indices: list[int], seq_len: int):
         if dist.get_rank() == rank and self.num_served + 1 == micro_batch:
+            if stall:
+                print(f"rank {rank} stalls at micro-batch {micro_batch}", flush=True)
+                time.sleep(3600)
             raise RuntimeError(f"injected failure at micro-batch {micro_batch}")
         return receive(self, indices, seq_len)
 
@@ -32,11 +36,12 @@ def fail_at(rank: int, micro_batch: int) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 3 or sys.argv[1] != "--fail-at":
+    if len(sys.argv) < 3 or sys.argv[1] not in ("--fail-at", "--stall-at"):
         sys.exit(
-            f"usage: {Path(__file__).name} --fail-at <global rank>:<micro-batch> <launch/train.py arguments>"
+            f"usage: {Path(__file__).name} --fail-at|--stall-at <global rank>:<micro-batch> "
+            "<launch/train.py arguments>"
         )
     rank, micro_batch = sys.argv[2].split(":")
-    fail_at(int(rank), int(micro_batch))
+    fail_at(int(rank), int(micro_batch), stall=sys.argv[1] == "--stall-at")
     sys.argv = [str(REPO / "launch" / "train.py"), *sys.argv[3:]]
     runpy.run_path(sys.argv[0], run_name="__main__")
