@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
+import numpy
 import yaml
 from pydantic import (
     BaseModel,
@@ -59,7 +60,8 @@ BackendName = Literal[tuple(BACKENDS)]
 
 
 def _not_a_flag(value: Any) -> Any:
-    if isinstance(value, bool):  # pydantic reads true as 1: a YAML `max_steps: true` would train 1 step
+    # pydantic reads true as 1: a YAML `max_steps: true` would train 1 step (numpy's bool too, from Python)
+    if isinstance(value, (bool, numpy.bool_)):
         raise ValueError(f"give a number, not {str(value).lower()}")
     return value
 

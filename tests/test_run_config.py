@@ -69,6 +69,20 @@ def test_bad_values_name_the_key(override, message):
         load_run_config(ROOT / "configs/tiny-dflash2.yaml", override.split(" "))
 
 
+def test_a_numpy_bool_is_no_number_either():
+    """From Python a config value may be a numpy scalar: numpy's bool is refused like Python's, its
+    integers are taken."""
+    import numpy as np
+
+    from dflash2.config import ObjectiveSection, OptimConfig
+
+    with pytest.raises(ValueError, match="max_steps\n.*give a number, not true"):
+        OptimConfig(max_steps=np.bool_(True))
+    with pytest.raises(ValueError, match="loss_gamma\n.*give a number, not false"):
+        ObjectiveSection(loss_gamma=np.bool_(False))
+    assert OptimConfig(max_steps=np.int64(5)).max_steps == 5
+
+
 def test_global_batch_size_decides_the_accumulation_steps_for_the_ranks():
     cfg = load_run_config(
         ROOT / "configs/tiny-dflash2.yaml",
