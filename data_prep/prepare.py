@@ -45,6 +45,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--end-of-turn", default=None, help="end-of-turn marker of replies (default: eos token)"
     )
+    parser.add_argument(
+        "--num-proc",
+        type=int,
+        default=1,
+        help="worker processes that render the lines (default 1); the result is the same with any number",
+    )
     add_debug_flag(parser)
     args = parser.parse_args(argv)
     if Path(args.out).exists() and not Path(args.out).is_dir():
@@ -62,6 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         chat_template_kwargs=args.chat_template_kwargs,
         end_of_turn=args.end_of_turn,
         duplicates=args.duplicates,
+        num_proc=args.num_proc,
     )
     save_prepared(dataset, summary, args.out)
     print(f"{describe(summary)} -> {args.out}")

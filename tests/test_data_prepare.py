@@ -181,6 +181,25 @@ def test_an_earlier_reply_the_template_rewrites_is_context_and_the_later_one_tra
     assert summary["num_history_replies"] == 2 and summary["history_reply_lines"] == [1, 2]
 
 
+def test_later_turns_are_never_found_inside_a_rewritten_reply(tiny_default, tmp_path):
+    """The rewritten first reply holds the text of both later turns; they are searched after it."""
+    from transformers import AutoTokenizer
+
+    from dflash2.data.render import encode_prompt
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_default.target_dir)
+    tokenizer.chat_template = HISTORY_TEMPLATE
+    first = {"role": "assistant", "content": "<think>\nhm\n</think>\n\nOK? Yes."}
+    again, second = {"role": "user", "content": "OK?"}, {"role": "assistant", "content": "Yes."}
+    rows = [{"id": "echo", "conversations": [USER, first, again, second]}]
+    dataset, summary = prepare_dataset(_write_jsonl(tmp_path / "echo.jsonl", rows), tokenizer, 512)
+    prompt = encode_prompt([USER, first, again], tokenizer)
+    reply = tokenizer("Yes.<|im_end|>", add_special_tokens=False)["input_ids"]
+    assert dataset[0]["input_ids"][: len(prompt) + len(reply)] == prompt + reply
+    assert dataset[0]["loss_mask"][: len(prompt) + len(reply)] == [0] * len(prompt) + [1] * len(reply)
+    assert sum(dataset[0]["loss_mask"]) == len(reply) and summary["num_history_replies"] == 1
+
+
 def test_a_reply_the_template_rewrites_even_last_is_a_template_mismatch(tiny_default, tmp_path, caplog):
     from transformers import AutoTokenizer
 
@@ -275,6 +294,38 @@ def test_skip_reports_every_malformed_line_and_keeps_all_valid(tiny_tokenizer, t
         assert reported[line_number][0] == code and reason in reported[line_number][1]
 
 
+def test_worker_processes_prepare_what_one_process_does(tiny_tokenizer, tmp_path, monkeypatch):
+    """Lines rendered by worker processes, a few lines a task: the same rows in the same order, the
+    same summary, the same first error with on_error=fail as one process, across the tasks' edges."""
+    from dflash2.data import prepare
+
+    monkeypatch.setattr(prepare, "LINES_PER_TASK", 3)
+    spelled = _spelled_out(tiny_tokenizer, REPLY["content"])
+    lines = [line for line, _, _ in MALFORMED]
+    lines += [VALID, {"id": "ids", "conversations": [USER, {**REPLY, "token_ids": spelled}]}]
+    lines += [
+        {"id": "again", "conversations": [USER, REPLY]},
+        {"id": "long", "conversations": [USER] * 9 + [REPLY]},
+    ]
+    path = _write_jsonl(tmp_path / "mixed.jsonl", lines)
+    with path.open("ab") as f:
+        f.write(b'{"id": "latin", "conversations": [{"role": "user", "content": "caf\xe9"}]}\n')
+    one, one_summary = prepare_dataset(path, tiny_tokenizer, max_length=64, duplicates="drop")
+    two, two_summary = prepare_dataset(path, tiny_tokenizer, max_length=64, duplicates="drop", num_proc=2)
+    assert one_summary["num_lines"] == len(lines) + 1 and one_summary["num_kept"] == 2  # the premise
+    assert {"duplicate", "duplicate_id", "invalid_utf8", "prompt_too_long"} <= set(
+        one_summary["dropped_by_reason"]
+    )
+    assert two.to_dict() == one.to_dict() and two_summary == one_summary
+    with pytest.raises(ValueError) as first:
+        prepare_dataset(path, tiny_tokenizer, max_length=64, on_error="fail")
+    with pytest.raises(ValueError, match=re.escape(str(first.value))):
+        prepare_dataset(path, tiny_tokenizer, max_length=64, on_error="fail", num_proc=2)
+    for bad in (0, 1.5, True):
+        with pytest.raises(ValueError, match="num_proc must be a whole number of processes, at least 1"):
+            prepare_dataset(path, tiny_tokenizer, max_length=64, num_proc=bad)
+
+
 def test_truncation_and_untrainable_samples_are_counted(tiny_tokenizer, tmp_path):
     full_mask = expected_loss_mask(tiny_tokenizer, [USER, REPLY])
     first_reply_token = full_mask.index(1)
@@ -323,7 +374,7 @@ def test_prepare_cli_writes_loadable_dataset_and_summary(tiny_default, tmp_path,
         run_script_main(
             monkeypatch,
             "data_prep/prepare.py",
-            arguments + ["--out", str(tmp_path / "again"), "--on-error", "fail"],
+            arguments + ["--out", str(tmp_path / "again"), "--on-error", "fail", "--num-proc", "2"],
         )
 
 
@@ -473,9 +524,26 @@ def test_the_trainer_reports_what_it_kept_and_dropped_on_rank_0_only(
     with caplog.at_level("WARNING"):
         build_dataset(data, tiny_tokenizer, is_main=True)
     assert "train.jsonl:2: not valid UTF-8 at byte offset" in caplog.text
-    assert (
-        "kept 2 of 3 conversations, dropped 1 (invalid_utf8: 1), duplicates 1 (kept)"
-        in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "kept 2 of 3 conversations, dropped 1 (invalid_utf8: 1), duplicates 1 (kept)" in out
+    assert "prepare it once" not in out
+
+
+def test_a_run_whose_data_tokenises_slowly_is_told_to_prepare_it_once(
+    tiny_tokenizer, tmp_path, capsys, monkeypatch
+):
+    from dflash2.config import DataConfig
+    from dflash2.data import prepare
+
+    monkeypatch.setattr(prepare, "SLOW_PREPARE_S", 0.0)
+    data = DataConfig(train=str(_write_jsonl(tmp_path / "train.jsonl", [VALID])), max_length=256)
+    prepare.build_dataset(data, tiny_tokenizer, is_main=False)
+    assert capsys.readouterr().out == ""
+    prepare.build_dataset(data, tiny_tokenizer, is_main=True)
+    assert re.search(
+        r"tokenising .*train.jsonl took \d+ s, on every rank and at every launch .*: prepare it once, in "
+        r"parallel \(data_prep/prepare.py --num-proc <cores> --out <dir>\), and set data.train to that directory",
+        capsys.readouterr().out,
     )
 
 

@@ -31,6 +31,9 @@ class SampleError(ValueError):
         super().__init__(message)
         self.code = code
 
+    def __reduce__(self):  # pickled whole, from a worker process of prepare_dataset(num_proc=...)
+        return SampleError, (self.code, str(self))
+
 
 @dataclass(frozen=True)
 class Sample:

@@ -22,9 +22,14 @@ unsupervised: it is what the target was given when it wrote the later replies, w
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
-from collections import Counter
+import multiprocessing
+import time
+from collections import Counter, deque
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,7 +38,7 @@ import datasets
 
 from dflash2.config import DataConfig
 from dflash2.data.jsonl import Sample, SampleError, iter_lines, parse_sample
-from dflash2.data.render import has_trainable_block, render_with_token_ids
+from dflash2.data.render import Rendered, has_trainable_block, render_with_token_ids
 
 logger = logging.getLogger(__name__)
 SUMMARY_FILE = "summary.json"
@@ -42,6 +47,7 @@ MAX_REPORTED_ERRORS = 100
 # then counted in one line: they are expected (a target's greedy ids are often not the canonical
 # tokenisation of their text) and trained on their ids, so the console does not list them all.
 MAX_LOGGED_MISMATCHES = 5
+SLOW_PREPARE_S = 60.0  # a run that tokenises its JSONL for longer is told to prepare it once
 
 
 FEATURES = datasets.Features(
@@ -128,22 +134,27 @@ def prepare_dataset(
     end_of_turn: str | None = None,
     duplicates: str = "keep",
     quiet: bool = False,
+    num_proc: int = 1,
 ) -> tuple[datasets.Dataset, dict[str, Any]]:
     """Tokenize a training_jsonl file with the tokenizer's chat template.
 
     Returns the dataset (columns `id` str, `input_ids` list[int], `loss_mask` list[int]) and a
     summary dict. `end_of_turn` defaults to the tokenizer's eos token. `quiet`: log nothing per line.
+    `num_proc`: worker processes that parse and render the lines (the same result in the same order
+    as one process; the checks across lines, duplicates and the counts, stay in this one).
     """
-    _check_options(on_error, duplicates, max_length)
+    _check_options(on_error, duplicates, max_length, num_proc)
     rows: dict[str, list] = {"id": [], "input_ids": [], "loss_mask": []}
     tally = _Tally(Path(jsonl_path), quiet)
     first_line_of_id: dict[str, int] = {}
     first_line_of_turns: dict[str, int] = {}
-    for line_number, line in iter_lines(jsonl_path):
+    rendering = (tokenizer, chat_template_kwargs, end_of_turn)
+    for line_number, parsed, rendered in _rendered_lines(jsonl_path, rendering, num_proc):
         tally.num_lines += 1
         try:
-            sample = _parse_unique(line, line_number, first_line_of_id)
-            rendered = render_with_token_ids(sample.messages, tokenizer, chat_template_kwargs, end_of_turn)
+            sample = _unique(parsed, line_number, first_line_of_id)
+            if isinstance(rendered, SampleError):
+                raise rendered
         except SampleError as error:
             if on_error == "fail":
                 raise ValueError(
@@ -177,13 +188,71 @@ def prepare_dataset(
     return datasets.Dataset.from_dict(rows, features=FEATURES), summary
 
 
-def _check_options(on_error: str, duplicates: str, max_length: int) -> None:
+# A line's number, the line parsed (or why not) and rendered (or why not; None when it did not parse).
+Outcome = tuple[int, Sample | SampleError, Rendered | SampleError | None]
+LINES_PER_TASK = 256  # lines a worker process renders at a time
+TASKS_AHEAD = 4  # tasks per worker in flight: bounds the lines held in memory
+
+
+def _render_line(line_number: int, line: Any, rendering: tuple) -> Outcome:
+    """What one line gives on its own: the checks that need other lines come after."""
+    try:
+        sample = parse_sample(line, line_number, require_reply=True)
+    except SampleError as error:
+        return line_number, error, None
+    try:
+        return line_number, sample, render_with_token_ids(sample.messages, *rendering)
+    except SampleError as error:
+        return line_number, sample, error
+
+
+def _rendered_lines(jsonl_path, rendering: tuple, num_proc: int) -> Iterator[Outcome]:
+    """Every line's outcome, in the file's order; rendered by `num_proc` worker processes when more
+    than one (started fresh, `spawn`: a fork of a process with torch's threads may hang)."""
+    if num_proc == 1:
+        yield from (_render_line(number, line, rendering) for number, line in iter_lines(jsonl_path))
+        return
+    tasks = _chunks(iter_lines(jsonl_path), LINES_PER_TASK)
+    context = multiprocessing.get_context("spawn")
+    pool = ProcessPoolExecutor(num_proc, context, initializer=_start_worker, initargs=(rendering,))
+    try:
+        pending = deque(
+            pool.submit(_render_task, task) for task in itertools.islice(tasks, num_proc * TASKS_AHEAD)
+        )
+        while pending:
+            outcomes = pending.popleft().result()
+            pending.extend(pool.submit(_render_task, task) for task in itertools.islice(tasks, 1))
+            yield from outcomes
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+def _chunks(items: Iterator, size: int) -> Iterator[list]:
+    while chunk := list(itertools.islice(items, size)):
+        yield chunk
+
+
+_worker_rendering: tuple = ()  # a worker process's tokenizer, chat template arguments and end of turn
+
+
+def _start_worker(rendering: tuple) -> None:
+    global _worker_rendering
+    _worker_rendering = rendering
+
+
+def _render_task(lines: list[tuple[int, Any]]) -> list[Outcome]:
+    return [_render_line(line_number, line, _worker_rendering) for line_number, line in lines]
+
+
+def _check_options(on_error: str, duplicates: str, max_length: int, num_proc: int = 1) -> None:
     if on_error not in ("skip", "fail"):
         raise ValueError(f"on_error must be 'skip' or 'fail', got {on_error!r}")
     if duplicates not in ("keep", "drop"):
         raise ValueError(f"duplicates must be 'keep' or 'drop', got {duplicates!r}")
     if max_length < 2:
         raise ValueError(f"max_length must be at least 2 (one anchor and one label), got {max_length}")
+    if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
+        raise ValueError(f"num_proc must be a whole number of processes, at least 1, got {num_proc!r}")
 
 
 def _check_kept(jsonl_path, tally: _Tally, num_kept: int) -> None:
@@ -216,15 +285,16 @@ def _fit(input_ids: list[int], loss_mask: list[int], max_length: int) -> tuple[l
     return input_ids, loss_mask
 
 
-def _parse_unique(line: str, line_number: int, first_line_of_id: dict[str, int]) -> Sample:
-    """parse_sample, and a SampleError for an id seen on an earlier line."""
-    sample = parse_sample(line, line_number, require_reply=True)
-    if sample.id in first_line_of_id:
+def _unique(parsed: Sample | SampleError, line_number: int, first_line_of_id: dict[str, int]) -> Sample:
+    """The parsed sample, or its SampleError; also one for an id seen on an earlier line."""
+    if isinstance(parsed, SampleError):
+        raise parsed
+    if parsed.id in first_line_of_id:
         raise SampleError(
-            "duplicate_id", f"duplicate id {sample.id!r} (first on line {first_line_of_id[sample.id]})"
+            "duplicate_id", f"duplicate id {parsed.id!r} (first on line {first_line_of_id[parsed.id]})"
         )
-    first_line_of_id[sample.id] = line_number
-    return sample
+    first_line_of_id[parsed.id] = line_number
+    return parsed
 
 
 def _summary(jsonl_path, max_length: int, chat_template_kwargs, rows: dict, tally: _Tally) -> dict[str, Any]:
@@ -357,6 +427,7 @@ def build_dataset(data: DataConfig, tokenizer: Any, is_main: bool) -> datasets.D
     if source.is_dir():
         check_prepared(source, data)
         return load_prepared(source)
+    start = time.perf_counter()
     dataset, summary = prepare_dataset(
         source,
         tokenizer,
@@ -366,6 +437,14 @@ def build_dataset(data: DataConfig, tokenizer: Any, is_main: bool) -> datasets.D
         duplicates=data.duplicates,
         quiet=not is_main,
     )
+    took = time.perf_counter() - start
     if is_main:
         print(f"[dflash2] data {source}: {describe(summary)}", flush=True)
+        if took > SLOW_PREPARE_S:
+            print(
+                f"[dflash2] tokenising {source} took {took:.0f} s, on every rank and at every launch (a resume or "
+                "a requeue included): prepare it once, in parallel (data_prep/prepare.py --num-proc <cores> "
+                "--out <dir>), and set data.train to that directory",
+                flush=True,
+            )
     return dataset

@@ -233,7 +233,7 @@ def _assistant_spans(
     searched verbatim (its ids are the whole content), any other with surrounding whitespace stripped.
 
     Messages are searched in order from a moving cursor, so a reply is never matched inside an
-    earlier turn. A reply must be followed (after optional whitespace) by `end_of_turn`, which also
+    earlier turn (past a reply not found, the cursor moves past its turn's end-of-turn marker). A reply must be followed (after optional whitespace) by `end_of_turn`, which also
     keeps short replies from matching inside a role header.
     """
     spans = []
@@ -248,8 +248,19 @@ def _assistant_spans(
             content = message["content"]
         span = _find_reply(text, content, cursor, end_of_turn)
         spans.append(None if span is None else (span[0], span[0] + len(content), span[1]))
-        cursor = cursor if span is None else span[1]
+        cursor = _past_turn(text, cursor, end_of_turn) if span is None else span[1]
     return spans
+
+
+def _past_turn(text: str, cursor: int, end_of_turn: str) -> int:
+    """Where a reply not found (the template rewrote it) ends: past the first end-of-turn marker of
+    its turn, the one closing the turn before it (right at `cursor`) not counted, so that the later
+    turns are searched after it, never inside it."""
+    start = cursor + len(text[cursor:]) - len(text[cursor:].lstrip())
+    if text.startswith(end_of_turn, start):
+        start += len(end_of_turn)
+    end = text.find(end_of_turn, start)
+    return len(text) if end < 0 else end + len(end_of_turn)
 
 
 def _overlaps(token: tuple[int, int], spans: list[tuple[int, int]]) -> bool:
