@@ -4,7 +4,8 @@ test of the whole pipeline (data -> features -> objective -> training -> export 
     python -m dflash2.serving_gate --config <run yaml> --data <training_jsonl> \
         [--num-samples N] [--steps N] [--out result.json] [key=value ...]
 
-1. take the first N (1..10) conversations of the data and regenerate their assistant replies with
+1. take the first N (1..10) conversations of the data, each up to its first reply (the exchange
+   decoded in 3), and regenerate their assistant replies with
    the target's own greedy decoding, keeping the ids it generated: training uses those ids, so the
    labels are exactly what the target generates even where the reply's text would re-tokenise
    differently (a random-initialised target);
@@ -71,7 +72,10 @@ GATE_OVERRIDES = (
 
 
 def select_samples(data_jsonl: str | Path, num_samples: int) -> list[dict]:
-    """The first `num_samples` valid conversations (as {"id", "conversations"} records)."""
+    """The first `num_samples` valid conversations (as {"id", "conversations"} records), each up to
+    its first reply: the exchange the gate decodes, which a later turn would make history (a chat
+    template may render that reply otherwise there, e.g. without its thinking, and then it would not
+    be trained)."""
     if not 1 <= num_samples <= MAX_SAMPLES:
         raise ValueError(f"--num-samples must be between 1 and {MAX_SAMPLES}, got {num_samples}")
     samples = []
@@ -81,7 +85,8 @@ def select_samples(data_jsonl: str | Path, num_samples: int) -> list[dict]:
             prompt_turns(sample.messages)  # the gate decodes a sample's prompt
         except SampleError as error:
             raise ValueError(f"{data_jsonl}:{line_number}: {error}") from None
-        samples.append({"id": sample.id, "conversations": sample.messages})
+        first_exchange = sample.messages[: len(prompt_turns(sample.messages)) + 1]
+        samples.append({"id": sample.id, "conversations": first_exchange})
         if len(samples) == num_samples:
             return samples
     raise ValueError(

@@ -94,6 +94,28 @@ def test_gate_fails_when_nothing_is_learned(tiny_default, tmp_path):
     assert any("spec_accept_length" in error for error in result["errors"])
 
 
+def test_gate_samples_end_with_their_first_reply(tmp_path):
+    """The gate decodes the first reply's prompt, so it trains on that exchange alone: a later turn
+    could make the reply history, which a chat template may render otherwise (Qwen3's drop its
+    thinking) and training then keeps unsupervised."""
+    system = {"role": "system", "content": "Be brief."}
+    user, reply = (
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "<think>\nhm\n</think>\n\nHello"},
+    )
+    later = [{"role": "user", "content": "Again?"}, {"role": "assistant", "content": "Hello again"}]
+    lines = [
+        {"id": "a", "conversations": [system, user, reply, *later]},
+        {"id": "b", "conversations": [user]},
+    ]
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    assert select_samples(path, 2) == [
+        {"id": "a", "conversations": [system, user, reply]},
+        {"id": "b", "conversations": [user]},
+    ]
+
+
 @pytest.mark.parametrize("num_samples", [0, 11])
 def test_gate_refuses_bad_sample_counts(tiny_default, num_samples):
     with pytest.raises(ValueError, match="--num-samples must be between 1 and 10"):
