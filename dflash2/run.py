@@ -46,6 +46,7 @@ from dflash2.distributed import (
 from dflash2.faults import (
     REQUEUE_WAIT_S,
     collective_section,
+    enter_startup,
     enter_steps,
     in_steps,
     lock_run_dir,
@@ -66,6 +67,12 @@ TRAINERS_DONE_KEY = "dflash2/trainers_done"
 RUN_DIR_KEY = "dflash2/run_dir_lock"  # whether rank 0 locked the output directory ("": it did)
 
 
+def job_key(name: str) -> str:
+    """A key of this attempt of the job: the store outlives a torchrun restart (--max-restarts), and a
+    restarted job must not read its failed attempt's keys (a stop asked for, trainers done)."""
+    return f"{name}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
 def run(cfg: RunConfig) -> dict[str, float]:
     """Train with the topology the config names (every rank calls it); returns the last step's metrics
     ({} on capture ranks). `stop_request.stopped` tells whether it ended early on a stop signal
@@ -80,7 +87,7 @@ def run_dir_held(cfg: RunConfig) -> Iterator[None]:
     whole run. The other ranks learn through the job's store whether rank 0 took it, and raise the
     same error when it did not (rank 0 prints it: dflash2.errors)."""
     store = dist.distributed_c10d._get_default_store()  # the job's rendezvous store (no public getter)
-    key = f"{RUN_DIR_KEY}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # a store outlives a restart
+    key = job_key(RUN_DIR_KEY)
     fd = None
     created = not Path(cfg.output_dir).exists()
     if dist.get_rank() == 0:
@@ -269,10 +276,12 @@ def run_capture_rank(
 
     def send(number: int, micro: dict[int, list[int]]) -> bool:
         """Capture micro-batch `number` for every trainer served; False: the trainers have stopped."""
-        if not in_steps() and store.check([TRAINERS_STEPPING_KEY]):
+        if not in_steps() and store.check([job_key(TRAINERS_STEPPING_KEY)]):
             enter_steps()  # the trainers have started: wait for them as long as they wait for each other
         with collective_section(f"capture of micro-batch {number}"):
-            if stop_request.agreed(backend, store.check([TRAINERS_DONE_KEY])):  # every capture rank agrees
+            if stop_request.agreed(
+                backend, store.check([job_key(TRAINERS_DONE_KEY)])
+            ):  # every capture rank agrees
                 stop_request.stopped = True
                 return False
             for row in rounds:
@@ -294,6 +303,9 @@ def run_capture_rank(
             send(step * accum + j + 1, {t: s.micro[j] for t, s in steps.items()}) for j in range(accum)
         ):
             break
+    # The trainers' last steps, their final checkpoint and export come before they take the end marker:
+    # wait for all of it as long as a start-up may take, not the one operation's timeout of a step.
+    enter_startup()
     with collective_section("delivering the last features"):
         sender.close()
 
@@ -303,7 +315,7 @@ def _relay_stop_request(store: dist.Store) -> None:
     as it comes, even while this rank waits for them (it may have sent everything long before)."""
     while stop_request.signal_name is None:
         time.sleep(0.1)
-    store.set(STOP_KEY, stop_request.signal_name)
+    store.set(job_key(STOP_KEY), stop_request.signal_name)
 
 
 def run_trainer_rank(
@@ -327,13 +339,13 @@ def run_trainer_rank(
         tells the capture ranks, which then wait for the trainers the steps' timeout too."""
         nonlocal told
         if backend.is_main and in_steps() and not told:
-            store.set(TRAINERS_STEPPING_KEY, "1")
+            store.set(job_key(TRAINERS_STEPPING_KEY), "1")
             told = True
-        return stop_request.signal_name is not None or store.check([STOP_KEY])
+        return stop_request.signal_name is not None or store.check([job_key(STOP_KEY)])
 
     summary = fit(setup, stop_vote=stop_vote)
     if backend.is_main:
-        store.set(TRAINERS_DONE_KEY, "1")  # the capture ranks stop sending
+        store.set(job_key(TRAINERS_DONE_KEY), "1")  # the capture ranks stop sending
     with collective_section("receiving the features sent past the last step"):
         receiver.drain()  # up to the capture rank's end marker
     receiver.thread.join()

@@ -265,6 +265,17 @@ def test_a_trainer_that_stops_responding_after_its_first_step_is_found_in_the_st
     assert elapsed < CRASH_BOUND_S - 30, f"the stalled trainer was waited for {elapsed:.0f} s"
 
 
+def test_a_run_whose_end_takes_longer_than_the_steps_timeout_ends_well(common, tmp_path):
+    """The capture rank sends its last features before the trainers' last steps, final checkpoint
+    and export, and waits for all of them: longer than the steps' timeout, which each one fits."""
+    overrides = [*common, f"output_dir={tmp_path}", "topology=disaggregated", "capture_ranks=1"]
+    waits = {"DFLASH2_DIST_TIMEOUT_S": "3", "DFLASH2_STARTUP_TIMEOUT_S": str(CRASH_BOUND_S)}
+    command = [*torchrun(2), str(FAILING_TRAINER), "--slow-finish", "1:8", "--config", str(TINY_CONFIG)]
+    # 16 steps: the capture rank, a few micro-batches ahead, learns of the first step before its last one
+    check_ok(run([*command, *overrides, "train.max_steps=16"], extra_env=waits))
+    assert len(losses(tmp_path)) == 16 and check_export(tmp_path / "export") == []
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", ["deepspeed", "fsdp"])
 def test_two_capture_ranks_share_the_target_and_match_colocated(colocated, common, tmp_path, backend):

@@ -3,7 +3,9 @@
     torchrun ... tests/dist_scripts/train_failing_trainer.py --fail-at <global rank>:<n> --config ...
 
 makes that rank raise when it asks for its n-th micro-batch of features (`--stall-at`: stop responding
-there, its feature receiver still running); everything else is the real entry point, unchanged.
+there, its feature receiver still running; `--slow-finish <global rank>:<seconds>`: take that long more
+to finish the run after its last step, a slow final checkpoint and export); everything else is the
+real entry point, unchanged.
 """
 
 from __future__ import annotations
@@ -35,13 +37,29 @@ def fail_at(rank: int, micro_batch: int, stall: bool) -> None:
     FeatureReceiver.batch = batch
 
 
+def slow_finish(rank: int, seconds: float) -> None:
+    from dflash2 import train
+
+    finish = train._finish
+
+    def slow(*args, **kwargs):
+        if dist.get_rank() == rank:
+            time.sleep(seconds)
+        return finish(*args, **kwargs)
+
+    train._finish = slow
+
+
 if __name__ == "__main__":
-    if len(sys.argv) < 3 or sys.argv[1] not in ("--fail-at", "--stall-at"):
+    if len(sys.argv) < 3 or sys.argv[1] not in ("--fail-at", "--stall-at", "--slow-finish"):
         sys.exit(
             f"usage: {Path(__file__).name} --fail-at|--stall-at <global rank>:<micro-batch> "
-            "<launch/train.py arguments>"
+            "| --slow-finish <global rank>:<seconds> <launch/train.py arguments>"
         )
-    rank, micro_batch = sys.argv[2].split(":")
-    fail_at(int(rank), int(micro_batch), stall=sys.argv[1] == "--stall-at")
+    rank, number = sys.argv[2].split(":")
+    if sys.argv[1] == "--slow-finish":
+        slow_finish(int(rank), float(number))
+    else:
+        fail_at(int(rank), int(number), stall=sys.argv[1] == "--stall-at")
     sys.argv = [str(REPO / "launch" / "train.py"), *sys.argv[3:]]
     runpy.run_path(sys.argv[0], run_name="__main__")
