@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import re
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dflash2.data.prepare import load_prepared, prepare_dataset
@@ -321,9 +323,32 @@ def test_worker_processes_prepare_what_one_process_does(tiny_tokenizer, tmp_path
         prepare_dataset(path, tiny_tokenizer, max_length=64, on_error="fail")
     with pytest.raises(ValueError, match=re.escape(str(first.value))):
         prepare_dataset(path, tiny_tokenizer, max_length=64, on_error="fail", num_proc=2)
-    for bad in (0, 1.5, True):
+    for bad in (0, 1.5, True, np.bool_(True)):
         with pytest.raises(ValueError, match="num_proc must be a whole number of processes, at least 1"):
             prepare_dataset(path, tiny_tokenizer, max_length=64, num_proc=bad)
+    numpy_one = prepare_dataset(path, tiny_tokenizer, max_length=64, duplicates="drop", num_proc=np.int64(1))
+    assert numpy_one[0].to_dict() == one.to_dict() and numpy_one[1] == one_summary
+
+
+def test_an_error_of_a_line_in_a_worker_comes_after_the_lines_before_it(
+    tiny_tokenizer, tmp_path, monkeypatch
+):
+    """A line that raises something other than a malformed sample's error, in a task of several lines:
+    with on_error=fail, an earlier malformed line of the same task is still the error reported."""
+    from dflash2.data import prepare
+
+    monkeypatch.setattr(prepare, "LINES_PER_TASK", 4)
+    unknown = {"id": "x", "conversations": [USER, {**REPLY, "content": "RAISE"}]}
+    path = _write_jsonl(tmp_path / "raise.jsonl", [VALID, "{oops", unknown, VALID])
+    tokenizer = copy.deepcopy(tiny_tokenizer)  # a template that fails on one reply, not as a refusal
+    tokenizer.chat_template = tokenizer.chat_template.replace(
+        "{%- for", "{{ 1 / 0 if 'RAISE' in messages|string else '' }}{%- for", 1
+    )
+    for num_proc in (1, 2):
+        with pytest.raises(ValueError, match="raise.jsonl:2: invalid JSON"):
+            prepare_dataset(path, tokenizer, 256, on_error="fail", num_proc=num_proc)
+        with pytest.raises(ZeroDivisionError):
+            prepare_dataset(path, tokenizer, 256, on_error="skip", num_proc=num_proc)
 
 
 def test_truncation_and_untrainable_samples_are_counted(tiny_tokenizer, tmp_path):
@@ -400,6 +425,27 @@ def test_a_run_refuses_a_prepared_directory_rendered_with_other_chat_template_kw
         DataConfig(train=str(out), chat_template_kwargs=kwargs), tiny_tokenizer, is_main=True
     )
     assert loaded["input_ids"] == dataset["input_ids"]
+
+
+def test_a_run_refuses_a_prepared_directory_of_another_duplicates_policy(tiny_tokenizer, tmp_path):
+    # a prepared directory is loaded as it is: its duplicates were kept or dropped when it was made
+    from dflash2.config import DataConfig
+    from dflash2.data.prepare import build_dataset, save_prepared
+
+    path = _write_jsonl(tmp_path / "in.jsonl", [VALID, {**VALID, "id": "again"}])
+    out = save_prepared(*prepare_dataset(path, tiny_tokenizer, 256), tmp_path / "prepared")
+    with pytest.raises(
+        ValueError,
+        match=r"prepared with --duplicates keep, but this run's data.duplicates is drop .*set data.duplicates=keep, "
+        r"or prepare the data again with --duplicates drop",
+    ):
+        build_dataset(
+            DataConfig(train=str(out), max_length=256, duplicates="drop"), tiny_tokenizer, is_main=True
+        )
+    assert build_dataset(DataConfig(train=str(out), max_length=256), tiny_tokenizer, True)["id"] == [
+        "ok",
+        "again",
+    ]
 
 
 def test_a_run_refuses_a_prepared_directory_cut_longer_than_its_max_length(tiny_tokenizer, tmp_path):
@@ -530,7 +576,7 @@ def test_the_trainer_reports_what_it_kept_and_dropped_on_rank_0_only(
 
 
 def test_a_run_whose_data_tokenises_slowly_is_told_to_prepare_it_once(
-    tiny_tokenizer, tmp_path, capsys, monkeypatch
+    tiny_default, tiny_tokenizer, tmp_path, capsys, monkeypatch
 ):
     from dflash2.config import DataConfig
     from dflash2.data import prepare
@@ -540,11 +586,21 @@ def test_a_run_whose_data_tokenises_slowly_is_told_to_prepare_it_once(
     prepare.build_dataset(data, tiny_tokenizer, is_main=False)
     assert capsys.readouterr().out == ""
     prepare.build_dataset(data, tiny_tokenizer, is_main=True)
-    assert re.search(
-        r"tokenising .*train.jsonl took \d+ s, on every rank and at every launch .*: prepare it once, in "
-        r"parallel \(data_prep/prepare.py --num-proc <cores> --out <dir>\), and set data.train to that directory",
-        capsys.readouterr().out,
+    said = capsys.readouterr().out
+    command = re.search(
+        r"tokenising .*train.jsonl took \d+ s, .*in parallel \((.*)\), and set data.train", said
     )
+    assert command, said
+    # the command it names prepares the data as the run does: the run accepts what it writes
+    arguments = command.group(1).split()[2:]  # after "python data_prep/prepare.py"
+    assert arguments[arguments.index("--max-length") + 1] == "256" and "--duplicates" in arguments
+    out = tmp_path / "prepared"
+    values = {"<the": str(tiny_default.target_dir), "<cores>": "1", "<dir>": str(out)}
+    arguments = [values.get(a, a) for a in arguments if a not in ("target's", "directory>")]
+    run_script_main(monkeypatch, "data_prep/prepare.py", arguments)
+    assert prepare.build_dataset(data.model_copy(update={"train": str(out)}), tiny_tokenizer, True)["id"] == [
+        "ok"
+    ]
 
 
 # ---- exact labels: replies that carry the target's token ids -------------------------------------

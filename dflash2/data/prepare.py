@@ -26,6 +26,8 @@ import itertools
 import json
 import logging
 import multiprocessing
+import numbers
+import pickle
 import time
 from collections import Counter, deque
 from collections.abc import Iterator
@@ -35,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import datasets
+import numpy
 
 from dflash2.config import DataConfig
 from dflash2.data.jsonl import Sample, SampleError, iter_lines, parse_sample
@@ -152,9 +155,7 @@ def prepare_dataset(
     for line_number, parsed, rendered in _rendered_lines(jsonl_path, rendering, num_proc):
         tally.num_lines += 1
         try:
-            sample = _unique(parsed, line_number, first_line_of_id)
-            if isinstance(rendered, SampleError):
-                raise rendered
+            sample = _unique(parsed, rendered, line_number, first_line_of_id)
         except SampleError as error:
             if on_error == "fail":
                 raise ValueError(
@@ -241,7 +242,24 @@ def _start_worker(rendering: tuple) -> None:
 
 
 def _render_task(lines: list[tuple[int, Any]]) -> list[Outcome]:
-    return [_render_line(line_number, line, _worker_rendering) for line_number, line in lines]
+    """The task's outcomes up to a line that raised something other than a SampleError, which is
+    handed back as that line's outcome: one process would raise it there, after the lines before."""
+    outcomes = []
+    for line_number, line in lines:
+        try:
+            outcomes.append(_render_line(line_number, line, _worker_rendering))
+        except Exception as error:  # noqa: BLE001 - re-raised by the main process, in the file's order
+            outcomes.append((line_number, _picklable(error), None))
+            break
+    return outcomes
+
+
+def _picklable(error: Exception) -> Exception:
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:  # noqa: BLE001 - an exception that does not pickle travels as its text
+        return RuntimeError(f"{type(error).__name__}: {error}")
 
 
 def _check_options(on_error: str, duplicates: str, max_length: int, num_proc: int = 1) -> None:
@@ -251,7 +269,11 @@ def _check_options(on_error: str, duplicates: str, max_length: int, num_proc: in
         raise ValueError(f"duplicates must be 'keep' or 'drop', got {duplicates!r}")
     if max_length < 2:
         raise ValueError(f"max_length must be at least 2 (one anchor and one label), got {max_length}")
-    if isinstance(num_proc, bool) or not isinstance(num_proc, int) or num_proc < 1:
+    if (
+        isinstance(num_proc, (bool, numpy.bool_))
+        or not isinstance(num_proc, numbers.Integral)
+        or num_proc < 1
+    ):
         raise ValueError(f"num_proc must be a whole number of processes, at least 1, got {num_proc!r}")
 
 
@@ -285,15 +307,20 @@ def _fit(input_ids: list[int], loss_mask: list[int], max_length: int) -> tuple[l
     return input_ids, loss_mask
 
 
-def _unique(parsed: Sample | SampleError, line_number: int, first_line_of_id: dict[str, int]) -> Sample:
-    """The parsed sample, or its SampleError; also one for an id seen on an earlier line."""
-    if isinstance(parsed, SampleError):
+def _unique(
+    parsed: Sample | Exception, rendered: Any, line_number: int, first_line_of_id: dict[str, int]
+) -> Sample:
+    """The parsed sample; else the error of its parsing, of its id (seen on an earlier line) or of
+    its rendering, in that order."""
+    if isinstance(parsed, Exception):
         raise parsed
     if parsed.id in first_line_of_id:
         raise SampleError(
             "duplicate_id", f"duplicate id {parsed.id!r} (first on line {first_line_of_id[parsed.id]})"
         )
     first_line_of_id[parsed.id] = line_number
+    if isinstance(rendered, SampleError):
+        raise rendered
     return parsed
 
 
@@ -403,6 +430,13 @@ def check_prepared(path: Path, data: DataConfig) -> None:
             f"serving render prompts with it); set data.chat_template_kwargs to {prepared}, or prepare the data "
             "again with --chat-template-kwargs"
         )
+    policy = summary.get("duplicates_policy")
+    if policy is not None and policy != data.duplicates:
+        raise ValueError(
+            f"{path} was prepared with --duplicates {policy}, but this run's data.duplicates is {data.duplicates} "
+            f"(a prepared directory is loaded as it is); set data.duplicates={policy}, or prepare the data again "
+            f"with --duplicates {data.duplicates}"
+        )
     prepared_length = summary.get("max_length")
     if isinstance(prepared_length, int) and prepared_length > data.max_length:
         raise ValueError(
@@ -418,6 +452,17 @@ def _sha256(path: str | Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def prepare_command(data: DataConfig) -> str:
+    """The data_prep/prepare.py command that prepares the run's JSONL as the run itself would."""
+    command = (
+        f"python data_prep/prepare.py --input {data.train} --tokenizer <the target's directory> "
+        f"--max-length {data.max_length} --on-error {data.on_error} --duplicates {data.duplicates}"
+    )
+    if data.chat_template_kwargs:
+        command += f" --chat-template-kwargs '{json.dumps(dict(data.chat_template_kwargs))}'"
+    return command + " --num-proc <cores> --out <dir>"
 
 
 def build_dataset(data: DataConfig, tokenizer: Any, is_main: bool) -> datasets.Dataset:
@@ -443,8 +488,8 @@ def build_dataset(data: DataConfig, tokenizer: Any, is_main: bool) -> datasets.D
         if took > SLOW_PREPARE_S:
             print(
                 f"[dflash2] tokenising {source} took {took:.0f} s, on every rank and at every launch (a resume or "
-                "a requeue included): prepare it once, in parallel (data_prep/prepare.py --num-proc <cores> "
-                "--out <dir>), and set data.train to that directory",
+                f"a requeue included): prepare it once, in parallel ({prepare_command(data)}), and set "
+                "data.train to that directory",
                 flush=True,
             )
     return dataset
