@@ -304,7 +304,9 @@ def startup_timeout() -> timedelta:
     return _seconds(STARTUP_TIMEOUT_ENV, default, "start-up collective timeout")
 
 
-_in_steps = False  # this process's groups wait collective_timeout() (enter_steps), not startup_timeout()
+_steps_wait: tuple[timedelta, str] | None = (
+    None  # this process's groups' timeout since enter_steps, and its name
+)
 
 
 def _set_timeouts(timeout: timedelta) -> None:
@@ -318,35 +320,38 @@ def _set_timeouts(timeout: timedelta) -> None:
 def enter_startup() -> None:
     """A run starts: every process group waits at most startup_timeout() until its first step (also
     the groups an earlier run of this process lowered, and those made without a timeout)."""
-    global _in_steps
+    global _steps_wait
     import torch.distributed as dist
 
-    _in_steps = False
+    _steps_wait = None
     if dist.is_initialized():
         _set_timeouts(startup_timeout())
 
 
-def enter_steps() -> None:
-    """Every process group of this process waits at most collective_timeout() from here on. Call it
-    once this rank's first step is done: its peers have finished their start-up then, having taken
-    that step with it. A no-op without a process group, and when called again."""
-    global _in_steps
+def enter_steps(steps_per_wait: int = 1) -> None:
+    """Every process group of this process waits at most collective_timeout() from here on, times
+    `steps_per_wait` for a rank whose one wait may span that many of its peers' operations (a capture
+    rank's send: a trainer's step and a checkpoint write). Call it once this rank's first step is
+    done: its peers have finished their start-up then, having taken that step with it. A no-op
+    without a process group, and when called again."""
+    global _steps_wait
     import torch.distributed as dist
 
-    if _in_steps or not dist.is_initialized():
+    if _steps_wait is not None or not dist.is_initialized():
         return
-    _set_timeouts(collective_timeout())
-    _in_steps = True
+    name = TIMEOUT_ENV if steps_per_wait == 1 else f"{steps_per_wait} x {TIMEOUT_ENV}"
+    _steps_wait = (collective_timeout() * steps_per_wait, name)
+    _set_timeouts(_steps_wait[0])
 
 
 def in_steps() -> bool:
     """Whether this process's groups wait the steps' timeout now (`enter_steps` was called)."""
-    return _in_steps
+    return _steps_wait is not None
 
 
 def current_timeout() -> tuple[timedelta, str]:
-    """How long this process's collectives wait now, and the variable that sets it."""
-    return (collective_timeout(), TIMEOUT_ENV) if _in_steps else (startup_timeout(), STARTUP_TIMEOUT_ENV)
+    """How long this process's collectives wait now, and the setting that says so."""
+    return _steps_wait if _steps_wait is not None else (startup_timeout(), STARTUP_TIMEOUT_ENV)
 
 
 def is_collective_failure(error: BaseException) -> bool:

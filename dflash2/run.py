@@ -277,7 +277,7 @@ def run_capture_rank(
     def send(number: int, micro: dict[int, list[int]]) -> bool:
         """Capture micro-batch `number` for every trainer served; False: the trainers have stopped."""
         if not in_steps() and store.check([job_key(TRAINERS_STEPPING_KEY)]):
-            enter_steps()  # the trainers have started: wait for them as long as they wait for each other
+            enter_steps(steps_per_wait=2)  # a send waits for a trainer's step, then maybe a checkpoint write
         with collective_section(f"capture of micro-batch {number}"):
             if stop_request.agreed(
                 backend, store.check([job_key(TRAINERS_DONE_KEY)])

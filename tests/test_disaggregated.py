@@ -250,7 +250,8 @@ def test_a_crashed_trainer_stops_the_whole_job(common, tmp_path):
 
 def test_a_trainer_that_stops_responding_after_its_first_step_is_found_in_the_steps_timeout(common, tmp_path):
     """One capture rank and one trainer: once the trainer has taken a step, the capture rank waits
-    for it DFLASH2_DIST_TIMEOUT_S, not the start-up's timeout, which it waited before."""
+    for it twice DFLASH2_DIST_TIMEOUT_S (a step and a checkpoint write), not the start-up's timeout,
+    which it waited before."""
     overrides = [*common, f"output_dir={tmp_path}", "topology=disaggregated", "capture_ranks=1"]
     overrides += ["train.max_steps=40", "train.export=false"]
     waits = {"DFLASH2_DIST_TIMEOUT_S": "3", "DFLASH2_STARTUP_TIMEOUT_S": str(CRASH_BOUND_S)}
@@ -260,7 +261,7 @@ def test_a_trainer_that_stops_responding_after_its_first_step_is_found_in_the_st
     result = run([*command, *overrides], extra_env=waits)
     elapsed = time.monotonic() - start
     assert "rank 1 stalls at micro-batch 3" in result.stdout, result.stdout + result.stderr
-    said = r"rank 0: capture of micro-batch \d+ did not complete: .*\(collectives wait at most 3 s here, DFLASH2_DIST_TIMEOUT_S\)"
+    said = r"rank 0: capture of micro-batch \d+ did not complete: .*\(collectives wait at most 6 s here, 2 x DFLASH2_DIST_TIMEOUT_S\)"
     assert result.returncode != 0 and re.search(said, result.stderr), result.stderr
     assert elapsed < CRASH_BOUND_S - 30, f"the stalled trainer was waited for {elapsed:.0f} s"
 
@@ -274,6 +275,18 @@ def test_a_run_whose_end_takes_longer_than_the_steps_timeout_ends_well(common, t
     # 16 steps: the capture rank, a few micro-batches ahead, learns of the first step before its last one
     check_ok(run([*command, *overrides, "train.max_steps=16"], extra_env=waits))
     assert len(losses(tmp_path)) == 16 and check_export(tmp_path / "export") == []
+
+
+def test_a_checkpoint_write_the_capture_rank_waits_for_with_a_step_ends_well(common, tmp_path):
+    """A capture rank's send waits for the trainer's step and a checkpoint written after it, which
+    may take up to the steps' timeout each: a write longer than that timeout alone (a single trainer
+    has no peer to time out) is still waited for, and the run goes on."""
+    overrides = [*common, f"output_dir={tmp_path}", "topology=disaggregated", "capture_ranks=1"]
+    overrides += ["train.max_steps=16", "train.save_every=8", "train.export=false"]
+    waits = {"DFLASH2_DIST_TIMEOUT_S": "3", "DFLASH2_STARTUP_TIMEOUT_S": str(CRASH_BOUND_S)}
+    command = [*torchrun(2), str(FAILING_TRAINER), "--slow-save", "1:4.5", "--config", str(TINY_CONFIG)]
+    check_ok(run([*command, *overrides], extra_env=waits))
+    assert len(losses(tmp_path)) == 16
 
 
 @pytest.mark.slow

@@ -417,14 +417,17 @@ def test_a_timed_out_collective_names_the_rank_and_the_operation(monkeypatch):
     monkeypatch.setenv(TIMEOUT_ENV, "15")
     monkeypatch.setenv("DFLASH2_STARTUP_TIMEOUT_S", "40")
     gloo = "[third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 15000ms for recv"
-    monkeypatch.setattr("dflash2.faults._in_steps", True)  # after the first step (enter_steps)
+    from datetime import timedelta
+
+    steps = (timedelta(seconds=15), TIMEOUT_ENV)
+    monkeypatch.setattr("dflash2.faults._steps_wait", steps)  # after the first step (enter_steps)
     with pytest.raises(
         ReportedError,
         match=r"rank 0: training step 7 did not complete: .*Timed out.*15 s here, DFLASH2_DIST_TIMEOUT_S\)",
     ):
         with collective_section("training step 7"):
             raise RuntimeError(gloo)
-    monkeypatch.setattr("dflash2.faults._in_steps", False)  # before it: the start-up's timeout
+    monkeypatch.setattr("dflash2.faults._steps_wait", None)  # before it: the start-up's timeout
     with pytest.raises(
         ReportedError,
         match=r"rank 0: loading the target did not complete: .*40 s here, DFLASH2_STARTUP_TIMEOUT_S\)",

@@ -4,7 +4,8 @@
 
 makes that rank raise when it asks for its n-th micro-batch of features (`--stall-at`: stop responding
 there, its feature receiver still running; `--slow-finish <global rank>:<seconds>`: take that long more
-to finish the run after its last step, a slow final checkpoint and export); everything else is the
+to finish the run after its last step, a slow final checkpoint and export; `--slow-save`: that much
+more for each checkpoint); everything else is the
 real entry point, unchanged.
 """
 
@@ -37,28 +38,31 @@ def fail_at(rank: int, micro_batch: int, stall: bool) -> None:
     FeatureReceiver.batch = batch
 
 
-def slow_finish(rank: int, seconds: float) -> None:
+def slow_down(function: str, rank: int, seconds: float) -> None:
+    """dflash2.train.<function> (`_finish`: the end of a run; `save`: a checkpoint) takes `seconds`
+    more on that rank."""
     from dflash2 import train
 
-    finish = train._finish
+    original = getattr(train, function)
 
     def slow(*args, **kwargs):
         if dist.get_rank() == rank:
             time.sleep(seconds)
-        return finish(*args, **kwargs)
+        return original(*args, **kwargs)
 
-    train._finish = slow
+    setattr(train, function, slow)
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 3 or sys.argv[1] not in ("--fail-at", "--stall-at", "--slow-finish"):
+    slow = {"--slow-finish": "_finish", "--slow-save": "save"}
+    if len(sys.argv) < 3 or sys.argv[1] not in ("--fail-at", "--stall-at", *slow):
         sys.exit(
             f"usage: {Path(__file__).name} --fail-at|--stall-at <global rank>:<micro-batch> "
-            "| --slow-finish <global rank>:<seconds> <launch/train.py arguments>"
+            "| --slow-finish|--slow-save <global rank>:<seconds> <launch/train.py arguments>"
         )
     rank, number = sys.argv[2].split(":")
-    if sys.argv[1] == "--slow-finish":
-        slow_finish(int(rank), float(number))
+    if sys.argv[1] in slow:
+        slow_down(slow[sys.argv[1]], int(rank), float(number))
     else:
         fail_at(int(rank), int(number), stall=sys.argv[1] == "--stall-at")
     sys.argv = [str(REPO / "launch" / "train.py"), *sys.argv[3:]]
