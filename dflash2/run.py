@@ -17,9 +17,9 @@ DFLASH2_DIST_TIMEOUT_S seconds for a peer, so a dead or frozen rank stops the jo
 
 from __future__ import annotations
 
-import os
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import replace
@@ -67,10 +67,24 @@ TRAINERS_DONE_KEY = "dflash2/trainers_done"
 RUN_DIR_KEY = "dflash2/run_dir_lock"  # whether rank 0 locked the output directory ("": it did)
 
 
+_launch_id = "0"  # this launch's, agreed by every rank (agree_on_launch)
+
+
+def agree_on_launch() -> None:
+    """Every rank takes rank 0's new id for this launch, which the store's keys carry: the store
+    outlives a torchrun restart (--max-restarts), and TORCHELASTIC_RESTART_COUNT is counted per node
+    (a node whose workers did not fail restarts without counting), so neither tells the ranks of a
+    restarted job apart from the failed attempt's keys (a stop asked for, trainers done)."""
+    global _launch_id
+    ids = [uuid.uuid4().hex if dist.get_rank() == 0 else None]
+    with collective_section("agreeing on the launch's id"):
+        dist.broadcast_object_list(ids, src=0)
+    _launch_id = ids[0]
+
+
 def job_key(name: str) -> str:
-    """A key of this attempt of the job: the store outlives a torchrun restart (--max-restarts), and a
-    restarted job must not read its failed attempt's keys (a stop asked for, trainers done)."""
-    return f"{name}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    """A key of this launch in the job's rendezvous store (agree_on_launch)."""
+    return f"{name}/{_launch_id}"
 
 
 def run(cfg: RunConfig) -> dict[str, float]:
@@ -86,6 +100,7 @@ def run_dir_held(cfg: RunConfig) -> Iterator[None]:
     """The job's hold on its output directory (dflash2.faults.lock_run_dir), by global rank 0 for the
     whole run. The other ranks learn through the job's store whether rank 0 took it, and raise the
     same error when it did not (rank 0 prints it: dflash2.errors)."""
+    agree_on_launch()
     store = dist.distributed_c10d._get_default_store()  # the job's rendezvous store (no public getter)
     key = job_key(RUN_DIR_KEY)
     fd = None
