@@ -200,6 +200,17 @@ def test_later_turns_are_never_found_inside_a_rewritten_reply(tiny_default, tmp_
     assert dataset[0]["input_ids"][: len(prompt) + len(reply)] == prompt + reply
     assert dataset[0]["loss_mask"][: len(prompt) + len(reply)] == [0] * len(prompt) + [1] * len(reply)
     assert sum(dataset[0]["loss_mask"]) == len(reply) and summary["num_history_replies"] == 1
+    # a template that writes more after a user turn's text than its end-of-turn marker: the later
+    # turns are still placed past the prompt the target was given for the last reply
+    tokenizer.chat_template = HISTORY_TEMPLATE.replace(
+        "{{- '<|im_start|>' + m['role'] + '\\n' + content + '<|im_end|>\\n' }}",
+        "{{- '<|im_start|>' + m['role'] + '\\n' + content + ('\\n/think' if m['role'] == 'user' else '') + '<|im_end|>\\n' }}",
+    )
+    prompt = encode_prompt([USER, first, again], tokenizer)
+    dataset, summary = prepare_dataset(_write_jsonl(tmp_path / "echo2.jsonl", rows), tokenizer, 512)
+    assert "/think" in tokenizer.decode(prompt)  # the premise: the other template
+    assert dataset[0]["input_ids"][: len(prompt) + len(reply)] == prompt + reply
+    assert sum(dataset[0]["loss_mask"]) == len(reply) and dataset[0]["loss_mask"][len(prompt)] == 1
 
 
 def test_a_reply_the_template_rewrites_even_last_is_a_template_mismatch(tiny_default, tmp_path, caplog):

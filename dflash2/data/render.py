@@ -13,6 +13,7 @@ exactly what `encode_prompt` gives, followed by the generated ids and the end-of
 
 from __future__ import annotations
 
+import os
 from typing import Any, NamedTuple
 
 from dflash2.data.jsonl import SampleError
@@ -183,6 +184,8 @@ def _rendered_replies(
                 "from the tokenizer's eos token: prepare the data with data_prep/prepare.py --end-of-turn <marker> "
                 "and train on the directory it writes)",
             )
+    if None in spans:
+        _place_after_history(text, messages, turns, spans, rendering)
     if len(messages) < 2 or messages[-1]["role"] != "assistant":
         return text, spans
     start = spans[-1][0]
@@ -191,6 +194,36 @@ def _rendered_replies(
         return text, spans
     shift = start - len(prompt)
     return prompt + text[start:], [*spans[:-1], tuple(position - shift for position in spans[-1])]
+
+
+def _place_after_history(
+    text: str, messages: list[dict], turns: list[int], spans: list, rendering: tuple
+) -> None:
+    """A reply after one the template rewrote lies past the prompt the target was given for it (the
+    turns before it with the generation prompt, as far as the text renders that prompt): one found
+    before that was found inside the rewritten history, and is searched again from there (`spans` is
+    updated); not found there, its sample is a template_mismatch."""
+    tokenizer, chat_template_kwargs, end_of_turn = rendering
+    first_history = turns[spans.index(None)]
+    for i, (turn, span) in enumerate(zip(turns, spans)):
+        if span is None or turn < first_history:
+            continue
+        prompt = render_text(
+            messages[: turn - 1], tokenizer, chat_template_kwargs, add_generation_prompt=True
+        )
+        bound = len(os.path.commonprefix([prompt, text]))
+        if span[0] >= bound:
+            continue
+        content = messages[turn - 1]["content"]
+        content = content if "token_ids" in messages[turn - 1] else content.strip()
+        found = _find_reply(text, content, bound, end_of_turn)
+        if found is None:
+            raise SampleError(
+                "template_mismatch",
+                f"turn {turn} (assistant): reply followed by {end_of_turn!r} found only inside the history the "
+                "chat template rewrote before it; give this turn as a conversation of its own, ending with it",
+            )
+        spans[i] = (found[0], found[0] + len(content), found[1])
 
 
 def _verbatim_when_last(
