@@ -344,6 +344,18 @@ def enter_steps(steps_per_wait: int = 1) -> None:
     _set_timeouts(_steps_wait[0])
 
 
+def enter_end() -> None:
+    """This rank has done its part and waits for its peers to end theirs (their last steps, final
+    checkpoint and export, together): the longer of the start-up timeout and the one it waits now."""
+    global _steps_wait
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return
+    _steps_wait = max(current_timeout(), (startup_timeout(), STARTUP_TIMEOUT_ENV), key=lambda wait: wait[0])
+    _set_timeouts(_steps_wait[0])
+
+
 def in_steps() -> bool:
     """Whether this process's groups wait the steps' timeout now (`enter_steps` was called)."""
     return _steps_wait is not None

@@ -46,7 +46,7 @@ from dflash2.distributed import (
 from dflash2.faults import (
     REQUEUE_WAIT_S,
     collective_section,
-    enter_startup,
+    enter_end,
     enter_steps,
     in_steps,
     lock_run_dir,
@@ -319,8 +319,8 @@ def run_capture_rank(
         ):
             break
     # The trainers' last steps, their final checkpoint and export come before they take the end marker:
-    # wait for all of it as long as a start-up may take, not the one operation's timeout of a step.
-    enter_startup()
+    # wait for all of it as long as a start-up may take, at least, not a step's timeout.
+    enter_end()
     with collective_section("delivering the last features"):
         sender.close()
 

@@ -183,6 +183,26 @@ def test_an_earlier_reply_the_template_rewrites_is_context_and_the_later_one_tra
     assert summary["num_history_replies"] == 2 and summary["history_reply_lines"] == [1, 2]
 
 
+def test_a_reply_after_a_rewritten_one_with_thinking_off_keeps_its_place(tiny_default, tmp_path):
+    """With thinking off the generation prompt ends with an empty think block that the history does
+    not render: a later reply starting like that block ('<') is still found where it is."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_default.target_dir)
+    tokenizer.chat_template = HISTORY_TEMPLATE.replace(
+        "{{- '<|im_start|>assistant\\n' }}",
+        "{{- '<|im_start|>assistant\\n' }}{%- if not enable_thinking %}{{- '<think>\\n\\n</think>\\n\\n' }}{%- endif %}",
+    )
+    tagged = {"role": "assistant", "content": "<b>x</b>"}
+    conversation = [USER, FIRST, AGAIN, tagged, {"role": "user", "content": "More?"}, SECOND]
+    kwargs = {"enable_thinking": False}
+    path = _write_jsonl(tmp_path / "off.jsonl", [{"id": "off", "conversations": conversation}])
+    dataset, summary = prepare_dataset(path, tokenizer, 1024, chat_template_kwargs=kwargs)
+    assert summary["num_kept"] == 1 and summary["num_history_replies"] == 1
+    supervised = tokenizer.decode([t for t, m in zip(dataset[0]["input_ids"], dataset[0]["loss_mask"]) if m])
+    assert supervised == "<b>x</b><|im_end|>" + SECOND["content"] + "<|im_end|>"
+
+
 def test_later_turns_are_never_found_inside_a_rewritten_reply(tiny_default, tmp_path):
     """The rewritten first reply holds the text of both later turns; they are searched after it."""
     from transformers import AutoTokenizer
@@ -436,27 +456,6 @@ def test_a_run_refuses_a_prepared_directory_rendered_with_other_chat_template_kw
         DataConfig(train=str(out), chat_template_kwargs=kwargs), tiny_tokenizer, is_main=True
     )
     assert loaded["input_ids"] == dataset["input_ids"]
-
-
-def test_a_run_refuses_a_prepared_directory_of_another_duplicates_policy(tiny_tokenizer, tmp_path):
-    # a prepared directory is loaded as it is: its duplicates were kept or dropped when it was made
-    from dflash2.config import DataConfig
-    from dflash2.data.prepare import build_dataset, save_prepared
-
-    path = _write_jsonl(tmp_path / "in.jsonl", [VALID, {**VALID, "id": "again"}])
-    out = save_prepared(*prepare_dataset(path, tiny_tokenizer, 256), tmp_path / "prepared")
-    with pytest.raises(
-        ValueError,
-        match=r"prepared with --duplicates keep, but this run's data.duplicates is drop .*set data.duplicates=keep, "
-        r"or prepare the data again with --duplicates drop",
-    ):
-        build_dataset(
-            DataConfig(train=str(out), max_length=256, duplicates="drop"), tiny_tokenizer, is_main=True
-        )
-    assert build_dataset(DataConfig(train=str(out), max_length=256), tiny_tokenizer, True)["id"] == [
-        "ok",
-        "again",
-    ]
 
 
 def test_a_run_refuses_a_prepared_directory_cut_longer_than_its_max_length(tiny_tokenizer, tmp_path):

@@ -522,7 +522,7 @@ sys.path.insert(0, {repo!r})
 import torch
 import torch.distributed as dist
 from dflash2.distributed import init_distributed
-from dflash2.faults import current_timeout, enter_startup, enter_steps
+from dflash2.faults import current_timeout, enter_end, enter_startup, enter_steps
 init_distributed("fsdp")  # a one-process world
 other = dist.new_group([0])  # made without a timeout: torch's default
 def waits():
@@ -532,6 +532,14 @@ enter_steps()
 print("steps", waits(), current_timeout()[1])
 enter_startup()  # the next run of this process (build_setup)
 print("again", waits(), current_timeout()[1])
+enter_steps(steps_per_wait=2)  # a capture rank, once the trainers have started
+print("capture", waits(), current_timeout()[1])
+enter_end()  # its last features sent: the longer of the start-up's and its own
+print("end", waits(), current_timeout()[1])
+import os
+os.environ["DFLASH2_STARTUP_TIMEOUT_S"] = "30"
+enter_startup(); enter_steps(steps_per_wait=2); enter_end()
+print("end, shorter start-up", waits(), current_timeout()[1])
 """
 
 
@@ -549,6 +557,9 @@ def test_a_run_starts_again_on_the_start_up_timeout(tmp_path):
     assert lines[0] == "start ['0:01:10', '0:30:00'] DFLASH2_STARTUP_TIMEOUT_S", lines
     assert lines[1] == "steps ['0:00:20', '0:00:20'] DFLASH2_DIST_TIMEOUT_S", lines
     assert lines[2] == "again ['0:01:10', '0:01:10'] DFLASH2_STARTUP_TIMEOUT_S", lines
+    assert lines[3] == "capture ['0:00:40', '0:00:40'] 2 x DFLASH2_DIST_TIMEOUT_S", lines
+    assert lines[4] == "end ['0:01:10', '0:01:10'] DFLASH2_STARTUP_TIMEOUT_S", lines
+    assert lines[5] == "end, shorter start-up ['0:00:40', '0:00:40'] 2 x DFLASH2_DIST_TIMEOUT_S", lines
 
 
 def test_metrics_are_trimmed_to_the_resumed_step(tmp_path):

@@ -28,6 +28,7 @@ import logging
 import multiprocessing
 import numbers
 import pickle
+import shlex
 import time
 from collections import Counter, deque
 from collections.abc import Iterator
@@ -430,13 +431,6 @@ def check_prepared(path: Path, data: DataConfig) -> None:
             f"serving render prompts with it); set data.chat_template_kwargs to {prepared}, or prepare the data "
             "again with --chat-template-kwargs"
         )
-    policy = summary.get("duplicates_policy")
-    if policy is not None and policy != data.duplicates:
-        raise ValueError(
-            f"{path} was prepared with --duplicates {policy}, but this run's data.duplicates is {data.duplicates} "
-            f"(a prepared directory is loaded as it is); set data.duplicates={policy}, or prepare the data again "
-            f"with --duplicates {data.duplicates}"
-        )
     prepared_length = summary.get("max_length")
     if isinstance(prepared_length, int) and prepared_length > data.max_length:
         raise ValueError(
@@ -457,11 +451,11 @@ def _sha256(path: str | Path) -> str:
 def prepare_command(data: DataConfig) -> str:
     """The data_prep/prepare.py command that prepares the run's JSONL as the run itself would."""
     command = (
-        f"python data_prep/prepare.py --input {data.train} --tokenizer <the target's directory> "
+        f"python data_prep/prepare.py --input {shlex.quote(str(data.train))} --tokenizer <the target's directory> "
         f"--max-length {data.max_length} --on-error {data.on_error} --duplicates {data.duplicates}"
     )
     if data.chat_template_kwargs:
-        command += f" --chat-template-kwargs '{json.dumps(dict(data.chat_template_kwargs))}'"
+        command += f" --chat-template-kwargs {shlex.quote(json.dumps(dict(data.chat_template_kwargs)))}"
     return command + " --num-proc <cores> --out <dir>"
 
 

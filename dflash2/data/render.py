@@ -199,19 +199,18 @@ def _rendered_replies(
 def _place_after_history(
     text: str, messages: list[dict], turns: list[int], spans: list, rendering: tuple
 ) -> None:
-    """A reply after one the template rewrote lies past the prompt the target was given for it (the
-    turns before it with the generation prompt, as far as the text renders that prompt): one found
-    before that was found inside the rewritten history, and is searched again from there (`spans` is
-    updated); not found there, its sample is a template_mismatch."""
+    """A reply after one the template rewrote lies past the turns before it (as far as the text
+    renders them the same; without the generation prompt, which the history may render otherwise,
+    e.g. Qwen3's empty think block with thinking off): one found before that was found inside the
+    rewritten history, and is searched again from there (`spans` is updated); not found there, its
+    sample is a template_mismatch."""
     tokenizer, chat_template_kwargs, end_of_turn = rendering
     first_history = turns[spans.index(None)]
     for i, (turn, span) in enumerate(zip(turns, spans)):
         if span is None or turn < first_history:
             continue
-        prompt = render_text(
-            messages[: turn - 1], tokenizer, chat_template_kwargs, add_generation_prompt=True
-        )
-        bound = len(os.path.commonprefix([prompt, text]))
+        before = render_text(messages[: turn - 1], tokenizer, chat_template_kwargs)
+        bound = len(os.path.commonprefix([before, text]))
         if span[0] >= bound:
             continue
         content = messages[turn - 1]["content"]
