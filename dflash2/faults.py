@@ -304,9 +304,8 @@ def startup_timeout() -> timedelta:
     return _seconds(STARTUP_TIMEOUT_ENV, default, "start-up collective timeout")
 
 
-_steps_wait: tuple[timedelta, str] | None = (
-    None  # this process's groups' timeout since enter_steps, and its name
-)
+# this process's groups' timeout since enter_steps, and its name; None before (the start-up's)
+_steps_wait: tuple[timedelta, str] | None = None
 
 
 def _set_timeouts(timeout: timedelta) -> None:

@@ -294,9 +294,8 @@ def run_capture_rank(
         if not in_steps() and store.check([job_key(TRAINERS_STEPPING_KEY)]):
             enter_steps(steps_per_wait=2)  # a send waits for a trainer's step, then maybe a checkpoint write
         with collective_section(f"capture of micro-batch {number}"):
-            if stop_request.agreed(
-                backend, store.check([job_key(TRAINERS_DONE_KEY)])
-            ):  # every capture rank agrees
+            trainers_done = store.check([job_key(TRAINERS_DONE_KEY)])
+            if stop_request.agreed(backend, trainers_done):  # every capture rank agrees
                 stop_request.stopped = True
                 return False
             for row in rounds:

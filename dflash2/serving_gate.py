@@ -82,11 +82,10 @@ def select_samples(data_jsonl: str | Path, num_samples: int) -> list[dict]:
     for line_number, line in iter_lines(data_jsonl):
         try:
             sample = parse_sample(line, line_number)
-            prompt_turns(sample.messages)  # the gate decodes a sample's prompt
+            prompt = prompt_turns(sample.messages)  # the gate decodes a sample's prompt
         except SampleError as error:
             raise ValueError(f"{data_jsonl}:{line_number}: {error}") from None
-        first_exchange = sample.messages[: len(prompt_turns(sample.messages)) + 1]
-        samples.append({"id": sample.id, "conversations": first_exchange})
+        samples.append({"id": sample.id, "conversations": sample.messages[: len(prompt) + 1]})
         if len(samples) == num_samples:
             return samples
     raise ValueError(

@@ -190,8 +190,9 @@ def prepare_dataset(
     return datasets.Dataset.from_dict(rows, features=FEATURES), summary
 
 
-# A line's number, the line parsed (or why not) and rendered (or why not; None when it did not parse).
-Outcome = tuple[int, Sample | SampleError, Rendered | SampleError | None]
+# A line's number, the line parsed (or why not: a SampleError, or what a worker raised) and rendered
+# (or why not; None when it did not parse).
+Outcome = tuple[int, Sample | Exception, Rendered | SampleError | None]
 LINES_PER_TASK = 256  # lines a worker process renders at a time
 TASKS_AHEAD = 4  # tasks per worker in flight: bounds the lines held in memory
 

@@ -213,8 +213,7 @@ def _place_after_history(
         bound = len(os.path.commonprefix([before, text]))
         if span[0] >= bound:
             continue
-        content = messages[turn - 1]["content"]
-        content = content if "token_ids" in messages[turn - 1] else content.strip()
+        content = _reply_text(messages[turn - 1])
         found = _find_reply(text, content, bound, end_of_turn)
         if found is None:
             raise SampleError(
@@ -271,17 +270,21 @@ def _assistant_spans(
     spans = []
     cursor = 0
     for message in messages:
-        content = message["content"].strip()
+        content = _reply_text(message)
         if message["role"] != "assistant":
             found = text.find(content, cursor)
             cursor = found + len(content) if found >= 0 else cursor  # templates may rewrite these; harmless
             continue
-        if "token_ids" in message:
-            content = message["content"]
         span = _find_reply(text, content, cursor, end_of_turn)
         spans.append(None if span is None else (span[0], span[0] + len(content), span[1]))
         cursor = _past_turn(text, cursor, end_of_turn) if span is None else span[1]
     return spans
+
+
+def _reply_text(message: dict) -> str:
+    """The text a turn is searched by: a reply with `token_ids` verbatim (its ids are the whole
+    content), any other turn with surrounding whitespace stripped."""
+    return message["content"] if "token_ids" in message else message["content"].strip()
 
 
 def _past_turn(text: str, cursor: int, end_of_turn: str) -> int:
