@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -12,7 +15,7 @@ import numpy as np
 import pytest
 
 from dflash2.data.prepare import load_prepared, prepare_dataset
-from tests.run_helpers import run_script_main
+from tests.run_helpers import REPO, run_script_main
 
 USER = {"role": "user", "content": "Count from 3 to 9."}
 REPLY = {"role": "assistant", "content": "Counting from 3 to 9: 3, 4, 5, 6, 7, 8, 9. That makes 7 numbers."}
@@ -380,6 +383,48 @@ def test_an_error_of_a_line_in_a_worker_comes_after_the_lines_before_it(
             prepare_dataset(path, tokenizer, 256, on_error="fail", num_proc=num_proc)
         with pytest.raises(ZeroDivisionError):
             prepare_dataset(path, tokenizer, 256, on_error="skip", num_proc=num_proc)
+
+
+class _EndsTheProcess:
+    """A tokenizer stand-in whose unpickling ends the process: a worker that dies as it starts."""
+
+    def __reduce__(self):
+        return os._exit, (3,)
+
+
+def test_a_worker_that_dies_is_reported_with_the_fix(tmp_path):
+    path = _write_jsonl(tmp_path / "one.jsonl", [VALID])
+    with pytest.raises(
+        RuntimeError, match=r"num_proc=2\) ended before it rendered its lines .*lower num_proc"
+    ):
+        prepare_dataset(path, _EndsTheProcess(), max_length=64, num_proc=2)
+
+
+def test_a_script_without_the_main_guard_or_from_stdin_is_told_the_fix(tiny_default, tmp_path):
+    """Without the guard, each `spawn` worker runs the script again and, before this, the pool hung;
+    a script read from stdin cannot be run again by a worker (it hung too)."""
+    path = _write_jsonl(tmp_path / "one.jsonl", [VALID])
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "from transformers import AutoTokenizer\n"
+        "from dflash2.data.prepare import prepare_dataset\n"
+        f"tokenizer = AutoTokenizer.from_pretrained({str(tiny_default.target_dir)!r})\n"
+        f"prepare_dataset({str(path)!r}, tokenizer, 64, num_proc=2)\n"
+    )
+    unguarded = subprocess.run(
+        [sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert unguarded.returncode == 1
+    assert (
+        'ran while a worker process started: put the script\'s call under `if __name__ == "__main__":`'
+        in (unguarded.stderr)
+    )
+    assert "num_proc=2) ended before it rendered its lines (BrokenProcessPool" in unguarded.stderr
+    from_stdin = subprocess.run(
+        [sys.executable, "-"], input=script.read_text(), cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert from_stdin.returncode == 1
+    assert "and '<stdin>' is not a file (a script read from stdin?): save the script" in from_stdin.stderr
 
 
 def test_truncation_and_untrainable_samples_are_counted(tiny_tokenizer, tmp_path):

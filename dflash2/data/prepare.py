@@ -29,10 +29,13 @@ import multiprocessing
 import numbers
 import pickle
 import shlex
+import sys
+import tempfile
 import time
 from collections import Counter, deque
 from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -215,9 +218,18 @@ def _rendered_lines(jsonl_path, rendering: tuple, num_proc: int) -> Iterator[Out
     if num_proc == 1:
         yield from (_render_line(number, line, rendering) for number, line in iter_lines(jsonl_path))
         return
-    tasks = _chunks(iter_lines(jsonl_path), LINES_PER_TASK)
+    _refuse_in_bootstrapping_worker(num_proc)
+    with tempfile.TemporaryDirectory(prefix="dflash2-prepare-") as scratch:
+        # The tokenizer reaches the workers through a file: a start-up argument of megabytes fills
+        # the pipe to a worker that ends before reading it, and the parent then waits on it forever.
+        rendering_file = Path(scratch, "rendering.pickle")
+        rendering_file.write_bytes(pickle.dumps(rendering))
+        yield from _pooled_outcomes(_chunks(iter_lines(jsonl_path), LINES_PER_TASK), rendering_file, num_proc)
+
+
+def _pooled_outcomes(tasks: Iterator[list], rendering_file: Path, num_proc: int) -> Iterator[Outcome]:
     context = multiprocessing.get_context("spawn")
-    pool = ProcessPoolExecutor(num_proc, context, initializer=_start_worker, initargs=(rendering,))
+    pool = ProcessPoolExecutor(num_proc, context, initializer=_start_worker, initargs=(str(rendering_file),))
     try:
         pending = deque(
             pool.submit(_render_task, task) for task in itertools.islice(tasks, num_proc * TASKS_AHEAD)
@@ -226,8 +238,34 @@ def _rendered_lines(jsonl_path, rendering: tuple, num_proc: int) -> Iterator[Out
             outcomes = pending.popleft().result()
             pending.extend(pool.submit(_render_task, task) for task in itertools.islice(tasks, 1))
             yield from outcomes
+    except (BrokenProcessPool, BrokenPipeError) as error:
+        raise RuntimeError(
+            f"a worker process of prepare_dataset(num_proc={num_proc}) ended before it rendered its "
+            f"lines ({type(error).__name__}; its own message, if any, is above): a script that calls "
+            'it needs the `if __name__ == "__main__":` guard, and a worker killed for memory needs a '
+            "lower num_proc (or 1, no workers)"
+        ) from None
     finally:
         pool.shutdown(cancel_futures=True)
+
+
+def _refuse_in_bootstrapping_worker(num_proc: int) -> None:
+    """`spawn` workers run the main script again. One without the `__main__` guard would start
+    workers of its own while it starts (Python refuses that, and the pool then hangs): such a worker
+    ends at once with this line, and its parent reports the fix. A script read from stdin cannot be
+    run again: refused before any worker starts."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):
+        raise SystemExit(
+            f"[dflash2] prepare_dataset(num_proc={num_proc}) ran while a worker process started: put "
+            'the script\'s call under `if __name__ == "__main__":`'
+        )
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None)
+    if main_file is not None and not Path(main_file).is_file():
+        raise ValueError(
+            f"prepare_dataset(num_proc={num_proc}) starts worker processes that run the main script "
+            f"again, and {main_file!r} is not a file (a script read from stdin?): save the script to a "
+            "file, or use num_proc=1"
+        )
 
 
 def _chunks(items: Iterator, size: int) -> Iterator[list]:
@@ -238,9 +276,9 @@ def _chunks(items: Iterator, size: int) -> Iterator[list]:
 _worker_rendering: tuple = ()  # a worker process's tokenizer, chat template arguments and end of turn
 
 
-def _start_worker(rendering: tuple) -> None:
+def _start_worker(rendering_file: str) -> None:
     global _worker_rendering
-    _worker_rendering = rendering
+    _worker_rendering = pickle.loads(Path(rendering_file).read_bytes())
 
 
 def _render_task(lines: list[tuple[int, Any]]) -> list[Outcome]:
