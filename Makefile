@@ -36,7 +36,7 @@ demo: install
 demo-real: smollm2
 	$(PY) launch/demo_real.py
 
-# the longer budget (docs/training.md, "The longer budget end to end"): 1500 replies, 3-layer drafts, 2500 steps
+# the longer budget (docs/real-target.md, "The longer budget end to end"): 1500 replies, 3-layer drafts, 2500 steps
 demo-real-long: smollm2
 	$(PY) launch/demo_real.py --out runs/demo-real-long --regen-samples 1500 --draft-layers 3 --steps 2500
 

@@ -42,7 +42,7 @@ ARCHITECTURES = {"dflash": DFLASH.name, "dflash2": DFLASH2.name}
 @dataclass(frozen=True)
 class Budget:
     """How many replies are regenerated and how many steps each draft trains: what fits the demo's
-    45 minutes on two cores in that precision (docs/training.md, "The demo's budget per precision")."""
+    45 minutes on two cores in that precision (docs/real-target.md, "The demo's budget per precision")."""
 
     regen_samples: int
     steps: int
