@@ -21,14 +21,12 @@ from dflash2.faults import exit_with_launcher  # noqa: E402  (light: stdlib only
 exit_with_launcher()  # first: a worker whose launcher dies while the heavy imports below run still ends
 
 from dflash2.config import check_run_paths, load_run_config  # noqa: E402
-from dflash2.errors import add_debug_flag, exit_process, run_main  # noqa: E402
+from dflash2.errors import OverridesParser, add_debug_flag, exit_process, run_main  # noqa: E402
 from dflash2.run import run_offline_capture  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = OverridesParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--config", required=True, help="run config YAML (the run that will train from the features)"
     )

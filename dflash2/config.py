@@ -7,6 +7,7 @@ import difflib
 import json
 import os
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -287,13 +288,40 @@ def apply_override(tree: dict, dotted: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ValueError(f"override {dotted!r}: {part!r} is not a section")
-    node[parts[-1]] = _parse_value(text)
+    value = _parse_value(text)
+    if isinstance(value, dict) and _is_section(parts):
+        keys = " ".join(f"{key.strip()}.{name}={_override_text(item)}" for name, item in value.items())
+        raise ValueError(
+            f"override {dotted!r} would replace the whole {key.strip()} section, its other keys back to "
+            f"their defaults: set the keys one by one ({keys or f'{key.strip()}.<key>=<value>'})"
+        )
+    node[parts[-1]] = value
+
+
+def _override_text(value: Any) -> str:
+    """A value as the text of a key=value override that reads back as it: a string as it is."""
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _is_section(parts: list[str]) -> bool:
+    """Whether the dotted key names a section of the run config (model, data, objective, train)."""
+    model: type[BaseModel] = RunConfig
+    for name in parts:
+        field = model.model_fields.get(name)
+        annotation = field.annotation if field is not None else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return False
+        model = annotation
+    return True
 
 
 def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
     """Read the YAML, apply overrides, validate. Every problem is reported with its dotted key."""
     if isinstance(overrides, str):
         raise ValueError(f"overrides: give a list of key=value strings, e.g. [{overrides!r}], not one string")
+    if isinstance(overrides, Mapping):
+        listed = [f"{key}={_override_text(value)}" for key, value in overrides.items()]
+        raise ValueError(f"overrides: give a list of key=value strings, e.g. {listed!r}, not a dict")
     tree: dict = {}
     if path is not None:
         require_path(path, "config", "file", "the run config YAML")
@@ -437,9 +465,20 @@ def check_run_paths(cfg: RunConfig) -> None:
 
 
 def check_output_dir(cfg: RunConfig) -> None:
-    """output_dir is a directory, or does not exist yet."""
+    """output_dir is a directory, or does not exist yet, and not inside a directory the run reads."""
     if Path(cfg.output_dir).exists() and not Path(cfg.output_dir).is_dir():
         raise ValueError(f"output_dir={cfg.output_dir!r} is a file: give a directory for the run")
+    output_dir = Path(cfg.output_dir).resolve()
+    for key, read in (
+        ("model.target", cfg.model.target),
+        ("data.train", cfg.data.train),
+        ("data.features_dir", cfg.data.features_dir),
+    ):
+        if read and Path(read).is_dir() and output_dir.is_relative_to(Path(read).resolve()):
+            raise ValueError(
+                f"output_dir={cfg.output_dir!r} is inside {key}={read!r}: the run would write its "
+                "checkpoints, logs and export among the files it reads; give an output_dir outside it"
+            )
 
 
 def _problem(check: Any, *args: Any) -> list[str]:

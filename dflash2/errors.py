@@ -44,8 +44,49 @@ USER_ERROR_PRINTED_KEY = "dflash2/user_error/printed_by_rank_0"
 USER_ERROR_CLAIMS_KEY = "dflash2/user_error/claims"
 
 
+COMMANDS = """dflash2's commands (run from the repository root; README.md and docs/ say more):
+  python launch/train.py --config <run.yaml> [key=value ...]   train a draft (under torchrun or
+                                                               deepspeed too: the same script)
+  python -m dflash2.evaluate --draft <export> --target <dir> --data <prompts.jsonl>
+                                                               tau and speedup against the target
+  python -m dflash2.export <checkpoint> <out>                  a training checkpoint as a served model
+  python -m dflash2.draft_config --target <dir> --arch <name> --out <draft.json>
+                                                               a draft config made from a target
+  python -m dflash2.plan <run.yaml> --world-size <N>           memory per GPU before a launch
+  python -m dflash2.serving_gate --config <run.yaml> --data <train.jsonl>
+                                                               train and serve one sample exactly
+  python data_prep/prepare.py | regenerate.py | capture.py ... the data: tokenised, regenerated, features
+"""
+
+
+def not_a_command(module: str) -> NoReturn:
+    """`python -m <module>` of a module that is not a command (the training loop): the commands, exit 2."""
+    print(f"error: {module} is not a command; the commands are:\n{COMMANDS}", file=sys.stderr, end="")
+    sys.exit(EXIT_USER_ERROR)
+
+
 class ReportedError(Exception):
     """A failure whose message is complete: printed without a traceback by the rank that raised it."""
+
+
+class OverridesParser(argparse.ArgumentParser):
+    """The parser of a tool that takes a run config's `key=value` overrides: its usage errors also say
+    how overrides are written, where the arguments show the usual slips (`--train.max_steps=5`, the
+    config without `--config`)."""
+
+    def parse_known_args(self, args=None, namespace=None):
+        self._given = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_args(args, namespace)
+
+    def error(self, message: str) -> NoReturn:
+        given = getattr(self, "_given", [])
+        dashed = [arg for arg in given if arg.startswith("--") and "=" in arg and "." in arg.split("=")[0]]
+        if dashed and "unrecognized arguments" in message:
+            message += f" (overrides take no dashes: {dashed[0].lstrip('-')})"
+        configs = [arg for arg in given if arg.endswith((".yaml", ".yml")) and "=" not in arg]
+        if configs and "--config" in message and "--config" not in given:
+            message += f" (give the run config as --config {configs[0]})"
+        super().error(message)
 
 
 def add_debug_flag(parser: argparse.ArgumentParser) -> None:

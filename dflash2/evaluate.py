@@ -43,6 +43,7 @@ from dflash2.hardware import check_device, warn_if_slow_bf16
 from dflash2.models import TargetHead, load_draft
 from dflash2.models.config import load_config_dict, validate_draft_config
 from dflash2.models.draft import DFlashDraftModel
+from dflash2.models.registry import check_export_config
 from dflash2.target.load import load_full_target
 from dflash2.target.state import use_decoding_layout
 
@@ -398,16 +399,23 @@ def load_models(
 ):
     """(draft, target, head, tokenizer) in eval mode, their weights laid out for decoding
     (`dflash2.target.state.use_decoding_layout`) unless `decoding_layout` is False."""
-    target, head, tokenizer = load_target(target_dir, device, dtype)
+    target, head, tokenizer = load_target(target_dir, device, dtype, [draft_dir])
     draft = load_draft_for(target, draft_dir, device, dtype, tokenizer)
     if decoding_layout:
         use_decoding_layout(target, draft, head)
     return draft, target, head, tokenizer
 
 
-def load_target(target_dir: str | Path, device: str = "cpu", dtype=torch.float32):
-    """(target, head, tokenizer): the target in eval mode and its LM head, in `dtype`."""
+def load_target(
+    target_dir: str | Path, device: str = "cpu", dtype=torch.float32, drafts: Sequence[str | Path] = ()
+):
+    """(target, head, tokenizer): the target in eval mode and its LM head, in `dtype`. Each export
+    directory of `drafts` is refused before the target's weights load (minutes for a large target)
+    unless its config fits the target and its tokenizer."""
     tokenizer = load_tokenizer(target_dir, "--target")
+    for draft in drafts:
+        check_export_config(draft)
+        draft_fits_target(draft, Path(target_dir) / "config.json", tokenizer)
     target = load_full_target(target_dir, dtype, device)
     return target, TargetHead.from_target(target, dtype=dtype), tokenizer
 
@@ -419,16 +427,22 @@ def load_draft_for(
     hidden size, vocabulary or depth, the mask token of `tokenizer`) or for a family whose head the
     draft cannot borrow."""
     draft = load_draft(draft_dir, dtype=dtype).to(device)
+    draft_fits_target(draft_dir, target.config, tokenizer)
+    return draft
+
+
+def draft_fits_target(draft_dir: str | Path, target_config, tokenizer=None) -> None:
+    """A ValueError naming each way the export at `draft_dir` was built for another target (or
+    tokenizer); its config alone is load_draft's to check."""
     source = Path(draft_dir) / "config.json"
     problems = validate_draft_config(
-        load_config_dict(draft_dir), tokenizer=tokenizer, target_config=target.config, source=source
+        load_config_dict(draft_dir), tokenizer=tokenizer, target_config=target_config, source=source
     )
-    if problems:  # load_draft refused every problem of the config alone: these are the target's
+    if problems:
         raise ValueError(
             f"the draft {draft_dir} does not fit the target: {'; '.join(problems)}. A draft is evaluated "
             "with the target (and tokenizer) it was trained for"
         )
-    return draft
 
 
 def run_settings(
@@ -556,7 +570,7 @@ def load_for_evaluation(
 ) -> tuple[nn.Module, TargetHead, object, list[DFlashDraftModel]]:
     """(target, head, tokenizer, drafts): each draft refused unless it fits the target, all laid out
     for decoding."""
-    target, head, tokenizer = load_target(target_dir, device, dtype)
+    target, head, tokenizer = load_target(target_dir, device, dtype, draft_dirs)
     drafts = [load_draft_for(target, d, device, dtype, tokenizer) for d in draft_dirs]
     use_decoding_layout(target, head, *drafts)
     return target, head, tokenizer, drafts

@@ -33,7 +33,7 @@ from dflash2.distributed import backend_class
 from dflash2.distributed.base import DTYPE_BYTES, count_params
 from dflash2.distributed.base import MemoryItem as Item
 from dflash2.distributed.registry import check_backend_config
-from dflash2.errors import EXIT_DOES_NOT_FIT, add_debug_flag, exit_process, run_main
+from dflash2.errors import EXIT_DOES_NOT_FIT, OverridesParser, add_debug_flag, exit_process, run_main
 from dflash2.models import build_draft
 from dflash2.models.attention import context_key_span
 
@@ -436,7 +436,7 @@ def format_plan(plan: Plan, write_gb_per_s: float = DEFAULT_WRITE_GB_PER_S) -> s
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OverridesParser(
         prog="python -m dflash2.plan",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -364,3 +364,9 @@ def run_trainer_rank(
         receiver.drain()  # up to the capture rank's end marker
     receiver.thread.join()
     return summary
+
+
+if __name__ == "__main__":  # python -m dflash2.run: a newcomer's guess at the training command
+    from dflash2.errors import not_a_command
+
+    not_a_command("dflash2.run")

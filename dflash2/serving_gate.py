@@ -36,7 +36,7 @@ from dflash2.data.jsonl import SampleError, iter_lines, parse_sample, prompt_tur
 from dflash2.data.regenerate import LocalTargetGenerator, regenerate_conversations
 from dflash2.data.render import encode_prompt, render_with_token_ids, stop_token_ids
 from dflash2.decode import speculative_generate, target_generate
-from dflash2.errors import add_debug_flag, exit_process, run_main
+from dflash2.errors import OverridesParser, add_debug_flag, exit_process, run_main
 from dflash2.export import read_training_run
 from dflash2.models import TargetHead, load_draft
 from dflash2.run import run
@@ -334,7 +334,7 @@ def write_result(result: dict, path: Path) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OverridesParser(
         prog="python -m dflash2.serving_gate",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,

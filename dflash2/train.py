@@ -523,3 +523,9 @@ def export_final(setup: Setup, out_dir: Path, training_run: dict) -> None:
         )
         print(f"[dflash2] exported {out_dir}")
     setup.backend.barrier()
+
+
+if __name__ == "__main__":  # python -m dflash2.train: a newcomer's guess at the training command
+    from dflash2.errors import not_a_command
+
+    not_a_command("dflash2.train")

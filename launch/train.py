@@ -25,14 +25,12 @@ exit_with_launcher()  # first: a worker whose launcher dies while the heavy impo
 stop_request.install()  # SIGTERM/SIGINT/SIGUSR1 from here on stop the run with a checkpoint (not kill it)
 
 from dflash2.config import check_run_paths, load_run_config  # noqa: E402
-from dflash2.errors import EXIT_STOPPED, add_debug_flag, exit_process, run_main  # noqa: E402
+from dflash2.errors import EXIT_STOPPED, OverridesParser, add_debug_flag, exit_process, run_main  # noqa: E402
 from dflash2.run import run  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = OverridesParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="run config YAML")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     add_debug_flag(parser)

@@ -6,14 +6,16 @@ as from the shell, in this process."""
 from __future__ import annotations
 
 import json
+import re
 import runpy
+import shutil
 import subprocess
 import sys
 import warnings
 
 import pytest
 
-from dflash2.errors import EXIT_USER_ERROR, run_main
+from dflash2.errors import COMMANDS, EXIT_USER_ERROR, run_main
 from tests.run_helpers import REPO, TINY_CONFIG
 
 
@@ -459,3 +461,49 @@ def test_a_path_error_under_torchrun_is_one_message_from_rank_0(tmp_path, tiny_d
     said = [line for line in result.stderr.splitlines() if "error" in line or "[dflash2]" in line]
     assert said[0] == f"error: model.draft_config='{missing}' does not exist: give the draft's config.json"
     assert not any("[dflash2]" in line or line.startswith("error") for line in said[1:]), result.stderr
+
+
+def test_python_m_of_the_training_loop_names_the_commands_which_all_run(monkeypatch, capsys):
+    """`python -m dflash2.train` (a newcomer's guess) ran nothing and exited 0; now it, `dflash2.run`
+    and `python -m dflash2` name the commands, and each command named parses its --help."""
+    for module in ("dflash2.train", "dflash2.run"):
+        code, stderr = run_cli(monkeypatch, capsys, module, ["--config", str(TINY_CONFIG)])
+        assert_one_message(code, stderr, f"{module} is not a command; the commands are:\n{COMMANDS}")
+    assert run_cli(monkeypatch, capsys, "dflash2", ["train"]) == (
+        EXIT_USER_ERROR,
+        f"error: python -m dflash2 runs nothing; the commands are:\n{COMMANDS}",
+    )
+    modules = re.findall(r"python -m (dflash2\.\w+)", COMMANDS)
+    scripts = ["launch/train.py", *(f"data_prep/{name}.py" for name in ("prepare", "regenerate", "capture"))]
+    assert len(modules) == 5 and all(script.split("/")[-1] in COMMANDS for script in scripts)
+    for tool in [*modules, *scripts]:
+        assert run_cli(monkeypatch, capsys, tool, ["--help"])[0] == 0, tool
+
+
+def test_an_output_dir_inside_a_directory_the_run_reads_is_refused(
+    monkeypatch, capsys, tiny_default, tmp_path
+):
+    """Before: the run wrote its checkpoints, logs, export and lock among the target's files."""
+    target = tmp_path / "target"
+    shutil.copytree(tiny_default.target_dir, target)
+    before = sorted(target.iterdir())
+    for inside in (target, target / "run"):
+        overrides = [f"model.target={target}", f"output_dir={inside}", "backend=local"]
+        code, stderr = run_cli(
+            monkeypatch, capsys, "launch/train.py", ["--config", str(TINY_CONFIG), *overrides]
+        )
+        assert_one_message(code, stderr, f"output_dir='{inside}' is inside model.target='{target}'")
+    assert sorted(target.iterdir()) == before
+
+
+def test_the_usual_slips_with_overrides_get_the_fix_in_the_usage_error(monkeypatch, capsys):
+    """argparse alone said `unrecognized arguments: --train.max_steps=5` and `the following arguments
+    are required: --config`, without the fix."""
+    slips = {
+        ("launch/train.py", "--config", str(TINY_CONFIG), "--train.max_steps=5"): "(overrides take no dashes: train.max_steps=5)",
+        ("launch/train.py", str(TINY_CONFIG), "train.max_steps=5"): f"(give the run config as --config {TINY_CONFIG})",
+        ("dflash2.plan", str(TINY_CONFIG), "--world-size", "1", "--train.lr=3"): "(overrides take no dashes: train.lr=3)",
+    }  # fmt: skip
+    for (tool, *arguments), fix in slips.items():
+        code, stderr = run_cli(monkeypatch, capsys, tool, arguments)
+        assert code == EXIT_USER_ERROR and stderr.rstrip().endswith(fix), stderr

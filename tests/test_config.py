@@ -17,6 +17,7 @@ from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast, Qwen3Config
 
 from dflash2.models.config import (
+    DFLASH_KEYS,
     NESTED_FIRST_KEYS,
     NESTED_ONLY_KEYS,
     check_draft_config,
@@ -371,6 +372,27 @@ def test_top_level_only_conv_fields_are_ignored_by_servers(v2):
     problems = validate_draft_config(v2)
     assert any("top-level conv_group_size=16" in p for p in problems)
     assert any("DFlash2DraftModel needs both > 0" in p for p in problems)
+
+
+def test_a_misspelled_field_is_refused_with_the_field_it_resembles(v2):
+    """Every loader ignores a field it does not know, so a misspelled target_layer_ids trained and
+    served the default layers without a word (the export's check passed too)."""
+    v2["dflash_config"]["target_layers_ids"] = v2["dflash_config"].pop("target_layer_ids")
+    v2["dflash_config"]["conv_groups"] = 16
+    v2["num_hidden_layer"] = 3
+    v2["description"] = "a field no loader reads, close to none: kept"
+    problems = validate_draft_config(v2)
+    assert problems[:3] == [
+        "dflash_config.target_layers_ids: not a DFlash field, which every loader would ignore; did you mean "
+        "target_layer_ids? the fields are " + ", ".join(DFLASH_KEYS),
+        "dflash_config.conv_groups: not a DFlash field, which every loader would ignore; did you mean "
+        "conv_group_size? the fields are " + ", ".join(DFLASH_KEYS),
+        "num_hidden_layer: not a field of a draft config, which every loader would ignore; did you mean "
+        "num_hidden_layers?",
+    ]
+    assert not any("description" in problem for problem in problems)
+    with pytest.raises(ValueError, match="did you mean target_layer_ids"):
+        check_draft_config(v2)
 
 
 def test_equal_top_level_block_size_is_allowed(v2):

@@ -15,6 +15,7 @@ from dflash2 import decode
 from dflash2 import evaluate as ev
 from dflash2.models import TargetHead, build_draft
 from tests.draft_helpers import plain_greedy, randomize_, tiny_draft_config
+from tests.run_helpers import REPO
 
 HIDDEN, NUM_LAYERS = 64, 4
 PROMPT = [5, 17, 42, 8, 99, 3, 250, 61]
@@ -931,3 +932,31 @@ def test_a_demo_rerun_resumes_replies_only_of_the_same_settings(tmp_path, capsys
     aside.unlink()
     demo.keep_only_if_same(regen, {**settings, "dtype": "float32"})  # another precision: set aside
     assert not regen.exists() and len(list(tmp_path.glob("data/*.other-settings-*.jsonl"))) == 1
+
+
+def test_a_draft_config_that_cannot_serve_the_target_is_refused_before_the_target_loads(
+    tiny_default, tmp_path, monkeypatch
+):
+    """Its config.json against the target's, before a weight loads (a large target takes minutes to
+    load, after which the draft was refused); the fix names the command that makes a fitting config,
+    and a training run's directory given as the draft names its export."""
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("the target was loaded")
+
+    monkeypatch.setattr(ev, "load_full_target", no_target)
+    cfg = json.loads((REPO / "configs" / "draft" / "tiny-dflash2.json").read_text())
+    cfg["num_target_layers"] = cfg["dflash_config"]["num_target_layers"] = 40
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text(json.dumps(cfg))
+    heldout = tiny_default.heldout_jsonl
+    with pytest.raises(ValueError, match="does not fit the target: num_target_layers=40 but") as refused:
+        ev.evaluate(tmp_path / "other", tiny_default.target_dir, heldout)
+    fix = f"python -m dflash2.draft_config --target {tiny_default.target_dir} --arch DFlash2DraftModel --out"
+    assert fix in str(refused.value)
+    (tmp_path / "run" / "export").mkdir(parents=True)
+    (tmp_path / "run" / "export" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(
+        ValueError, match=f"this looks like a training run: its export is {tmp_path / 'run' / 'export'}"
+    ):
+        ev.evaluate(tmp_path / "run", tiny_default.target_dir, heldout)

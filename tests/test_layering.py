@@ -45,6 +45,7 @@ LAYERS = {
     "dflash2.evaluate": 6,
     "dflash2.plan": 6,
     "dflash2.serving_gate": 7,
+    "dflash2.__main__": 8,  # python -m dflash2: the commands
 }
 DISTRIBUTED_PACKAGES = ("torch.distributed", "deepspeed")
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -31,6 +32,32 @@ def test_overrides_are_typed_and_validated():
     )
     assert (cfg.output_dir, cfg.train.max_steps, cfg.backend) == ("/tmp/x", 7, "fsdp")
     assert cfg.train.lr == 1e-3 and cfg.objective.loss_gamma is None
+
+
+def test_a_section_given_whole_and_overrides_given_as_a_dict_or_a_string_are_refused():
+    """`train={max_steps: 5}` replaced the whole section: the run trained with the train section's
+    defaults (another lr, global batch and warmup), silently; a dict of overrides was read as its keys."""
+    config = ROOT / "configs/tiny-dflash2.yaml"
+    with pytest.raises(ValueError, match=re.escape(
+        "override 'train={max_steps: 5, lr: 1e-3}' would replace the whole train section, its other keys back "
+        "to their defaults: set the keys one by one (train.max_steps=5 train.lr=1e-3)"
+    )):  # fmt: skip
+        load_run_config(config, ["train={max_steps: 5, lr: 1e-3}"])
+    with pytest.raises(
+        ValueError,
+        match=re.escape(
+            "whole objective section, its other keys back to their defaults: set the keys one by one (objective.<key>=<value>)"
+        ),
+    ):
+        load_run_config(config, ["objective={}"])
+    kwargs = load_run_config(config, ["data.chat_template_kwargs={enable_thinking: false}"])  # a field's dict
+    assert kwargs.data.chat_template_kwargs == {"enable_thinking": False}
+    with pytest.raises(ValueError, match=re.escape(
+        "overrides: give a list of key=value strings, e.g. ['train.max_steps=2', 'output_dir=/tmp/x'], not a dict"
+    )):  # fmt: skip
+        load_run_config(config, {"train.max_steps": 2, "output_dir": "/tmp/x"})
+    with pytest.raises(ValueError, match=re.escape("e.g. ['train.max_steps=2'], not one string")):
+        load_run_config(config, "train.max_steps=2")
 
 
 def test_a_yaml_number_without_a_dot_is_read_as_the_number(tmp_path):

@@ -15,6 +15,8 @@ Two views of a config exist on purpose:
 from __future__ import annotations
 
 import copy
+import difflib
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -313,6 +315,39 @@ def _check_layout(cfg: dict, problems: list[str]) -> None:
             )
 
 
+DFLASH_KEYS = NESTED_ONLY_KEYS + NESTED_FIRST_KEYS
+# top-level keys of a draft config besides a Qwen3 config's own and the DFlash fields
+OTHER_TOP_LEVEL_KEYS = ("dflash_config", "is_causal", "rope_theta", "rope_scaling", "torch_dtype", "auto_map")
+
+
+@functools.cache
+def _top_level_keys() -> frozenset[str]:
+    return frozenset(Qwen3Config().to_dict()) | frozenset(OTHER_TOP_LEVEL_KEYS + DFLASH_KEYS)
+
+
+def _check_field_names(cfg: dict, problems: list[str]) -> None:
+    """Every loader ignores a field it does not know: a misspelled one (target_layers_ids) would train
+    and serve with the default. Every dflash_config key must be a DFlash field; a top-level key close
+    to a known field is taken for a misspelling of it."""
+    nested = cfg.get("dflash_config") if isinstance(cfg.get("dflash_config"), dict) else {}
+    for key in nested:
+        if key not in DFLASH_KEYS:
+            close = difflib.get_close_matches(key, DFLASH_KEYS, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]}? " if close else ""
+            problems.append(
+                f"dflash_config.{key}: not a DFlash field, which every loader would ignore; {hint}"
+                f"the fields are {', '.join(DFLASH_KEYS)}"
+            )
+    for key in cfg:
+        if key not in _top_level_keys():
+            close = difflib.get_close_matches(key, _top_level_keys(), n=1, cutoff=0.85)
+            if close:
+                problems.append(
+                    f"{key}: not a field of a draft config, which every loader would ignore; did you mean "
+                    f"{close[0]}?"
+                )
+
+
 def _check_backbone(cfg: dict, problems: list[str]) -> None:
     for key in REQUIRED_BACKBONE_KEYS:
         value = cfg.get(key)
@@ -583,6 +618,11 @@ def _check_target(cfg: dict, target_config: Any, problems: list[str], source: An
         f" (draft {_config_file(source, 'config given as a dict')}, "
         f"target {_config_file(target_config, 'config given as a dict')})"
     )
+    mismatched = (
+        cfg.get("hidden_size") != config_field(target, "hidden_size")
+        or cfg.get("vocab_size") != config_field(target, "vocab_size")
+        or draft_value(cfg, "num_target_layers") != config_field(target, "num_hidden_layers")
+    )
     for key in ("hidden_size", "vocab_size"):
         if cfg.get(key) != config_field(target, key):
             problems.append(
@@ -595,6 +635,13 @@ def _check_target(cfg: dict, target_config: Any, problems: list[str], source: An
         problems.append(
             f"num_target_layers={num_target_layers!r} but the target has num_hidden_layers="
             f"{config_field(target, 'num_hidden_layers')!r}{files}; set num_target_layers to it"
+        )
+    if mismatched:
+        target_dir = Path(_config_file(target_config, "<target dir>"))
+        target_dir = target_dir.parent if target_dir.name == CONFIG_FILE else target_dir
+        problems.append(
+            "a draft config made for this target: python -m dflash2.draft_config --target "
+            f"{target_dir} --arch {_architecture(cfg) or DEFAULT_ARCHITECTURE} --out <draft.json>"
         )
 
 
@@ -614,6 +661,7 @@ def validate_draft_config(
     problems: list[str] = []
     _check_identity(cfg, problems)
     _check_layout(cfg, problems)
+    _check_field_names(cfg, problems)
     _check_backbone(cfg, problems)
     _check_layers(cfg, problems)
     nested = cfg.get("dflash_config") if isinstance(cfg.get("dflash_config"), dict) else {}

@@ -77,14 +77,20 @@ def expected_tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
     return {name: tuple(tensor.shape) for name, tensor in draft.state_dict().items()}
 
 
-def load_draft(export_dir: str | Path, dtype: torch.dtype | None = None) -> DFlashDraftModel:
-    """Load an export (config.json + model.safetensors). Missing, unexpected or misshapen tensors
-    are errors: the servers would silently drop or zero them."""
+def check_export_config(export_dir: str | Path) -> None:
+    """An export's config.json, read as the servers read it (not normalised into another model
+    first): a ValueError naming every problem, before any weight loads."""
     export_dir = Path(export_dir)
     if export_dir.is_dir() and not (export_dir / CONFIG_FILE).is_file():
+        inside = export_dir / "export"  # a training run's directory: its export is there
+        hint = (
+            f"; this looks like a training run: its export is {inside}"
+            if (inside / CONFIG_FILE).is_file()
+            else ""
+        )
         raise ValueError(
             f"{export_dir}: no {CONFIG_FILE}, so not an export (a training checkpoint is exported with "
-            f"`python -m dflash2.export <checkpoint> <out>`)"
+            f"`python -m dflash2.export <checkpoint> <out>`){hint}"
         )
     problems = validate_draft_config(load_config_dict(export_dir), source=export_dir / "config.json")
     if problems:  # read as it is, as the servers read it: not normalised into another model first
@@ -93,6 +99,13 @@ def load_draft(export_dir: str | Path, dtype: torch.dtype | None = None) -> DFla
             + "; ".join(problems)
             + f" (`python -m dflash2.export {export_dir} <out>` rewrites the layout of its config.json)"
         )
+
+
+def load_draft(export_dir: str | Path, dtype: torch.dtype | None = None) -> DFlashDraftModel:
+    """Load an export (config.json + model.safetensors). Missing, unexpected or misshapen tensors
+    are errors: the servers would silently drop or zero them."""
+    export_dir = Path(export_dir)
+    check_export_config(export_dir)
     draft = build_draft(export_dir)
     files = weight_files(export_dir)
     if not files:

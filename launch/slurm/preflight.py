@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run from a check
 
 from dflash2.checkpoint import check_resume  # noqa: E402
 from dflash2.config import check_run_paths, load_run_config  # noqa: E402
-from dflash2.errors import add_debug_flag, exit_process, run_main  # noqa: E402
+from dflash2.errors import OverridesParser, add_debug_flag, exit_process, run_main  # noqa: E402
 from dflash2.faults import STARTUP_TIMEOUT_ENV, TIMEOUT_ENV, collective_timeout, lock_run_dir, startup_timeout  # noqa: E402
 from dflash2.plan import DEVICE_GB, GIB, check_positive, plan_run  # noqa: E402
 from dflash2.run_plan import resolve_run  # noqa: E402
@@ -108,7 +108,7 @@ def check(config: str, overrides: list[str], world_size: int, device_gb: float |
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
+    parser = OverridesParser(
         prog="launch/slurm/preflight.py",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
