@@ -215,6 +215,7 @@ def lock_run_dir(output_dir: str | Path, requeue_wait_s: float = REQUEUE_WAIT_S)
                 print(
                     f"[dflash2] note: the file system of {path.parent} refuses locks ({error.strerror}): "
                     "another run on this output_dir would not be stopped",
+                    file=sys.stderr,
                     flush=True,
                 )
                 return None
@@ -231,6 +232,7 @@ def lock_run_dir(output_dir: str | Path, requeue_wait_s: float = REQUEUE_WAIT_S)
             print(
                 f"[dflash2] output_dir {output_dir} is locked by this SLURM job's earlier run ({holder}): "
                 f"waiting up to {requeue_wait_s:.0f} s for the file system to release it",
+                file=sys.stderr,
                 flush=True,
             )
         if time.monotonic() - waited_since >= requeue_wait_s:

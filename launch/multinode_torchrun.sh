@@ -21,7 +21,7 @@ python=${PYTHON:-$root/.venv/bin/python}
 : "${MASTER_ADDR:?set MASTER_ADDR (a host every node can reach)}"
 : "${MASTER_PORT:?set MASTER_PORT (a free TCP port on MASTER_ADDR)}"
 : "${GPUS_PER_NODE:?set GPUS_PER_NODE (processes per node)}"
-[[ -x $python ]] || { echo "multinode_torchrun.sh: no python at $python; set PYTHON" >&2; exit 2; }
+python=$(command -v "$python") || { echo "multinode_torchrun.sh: no python at $python; set PYTHON" >&2; exit 2; }
 
 exec "$python" "$root/launch/torchrun.py" \
   --nnodes "$NNODES" --node_rank "$NODE_RANK" --nproc_per_node "$GPUS_PER_NODE" \

@@ -5,6 +5,7 @@ and, with SLURM installed, a real job stopped by USR1, requeued and resumed with
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -50,12 +52,23 @@ def write_stub(directory: Path, name: str, body: str) -> None:
 
 
 def stub_scontrol(
-    directory: Path, nodelist: str, hostnames: list[str], log: Path, job_state: str = "RUNNING"
+    directory: Path,
+    nodelist: str,
+    hostnames: list[str],
+    log: Path,
+    job_state: str = "RUNNING",
+    end_time: int | None = None,
 ) -> None:
     """scontrol that answers `show hostnames <nodelist>` with the recorded hosts and `show job` with
     `job_state` (its third line, as SLURM writes it, before 200 KB of other fields: more than a
-    pipe holds, so a reader that stops at the match ends scontrol with SIGPIPE), and logs
+    pipe holds, so a reader that stops at the match ends scontrol with SIGPIPE) and, given
+    `end_time` (seconds since the epoch), an `EndTime` in local time as SLURM writes it; logs
     `requeue <id>`."""
+    times = (
+        f"printf '   StartTime=2026-01-01T00:00:00 EndTime=%s Deadline=N/A\\n' \"$(date -d @{end_time} +%Y-%m-%dT%H:%M:%S)\"\n"
+        if end_time is not None
+        else ""
+    )
     write_stub(
         directory,
         "scontrol",
@@ -63,7 +76,7 @@ def stub_scontrol(
 if [[ "$1 $2" == "show hostnames" && "$3" == "{nodelist}" ]]; then printf '%s\\n' {" ".join(hostnames)}; exit 0; fi
 if [[ "$1 $2" == "show job" ]]; then
   printf 'JobId=%s JobName=x\n   UserId=u(1) GroupId=g(1)\n   JobState={job_state} Reason=None\n' "$3"
-  for i in $(seq 2000); do echo "   Comment=$(printf '%090d' "$i")"; done
+  {times}  for i in $(seq 2000); do echo "   Comment=$(printf '%090d' "$i")"; done
   exit 0
 fi
 if [[ "$1" == requeue ]]; then exit 0; fi
@@ -131,6 +144,8 @@ def start_sbatch(
     extra_env: dict | None = None,
     job_state: str = "RUNNING",
     marker_json: str = '{"step": 5}',
+    path_first: Path | None = None,
+    end_in: int | None = None,
 ) -> tuple[subprocess.Popen, Path, Path]:
     """Run launch/slurm/fsdp.sbatch as SLURM would (batch shell, a recorded environment) with stub
     srun / scontrol, on the tiny default with output_dir tmp_path/run. The srun stub records its
@@ -139,7 +154,8 @@ def start_sbatch(
     `writes_marker`), then exit `exit_on_signal`."""
     recorded = json.loads((FIXTURES / case).read_text())
     nodelist, hosts = recorded["env"]["SLURM_JOB_NODELIST"], recorded["scontrol_hostnames"]
-    stub_scontrol(tmp_path, nodelist, hosts, tmp_path / "scontrol.log", job_state)
+    end_time = None if end_in is None else int(time.time()) + end_in
+    stub_scontrol(tmp_path, nodelist, hosts, tmp_path / "scontrol.log", job_state, end_time)
     srun_log, run_dir = tmp_path / "srun.log", tmp_path / "run"
     marker = f"echo '{marker_json}' > {run_dir / STOP_MARKER}; " if writes_marker else ""
     on_signal = f"echo $1 >> {tmp_path / 'signals.log'}; {marker}kill $step; exit {exit_on_signal}"
@@ -156,6 +172,8 @@ def start_sbatch(
         f'echo "$*" >> {tmp_path / "scancel.log"}\n[[ "$1 $2" == "--signal=TERM 77" ]] && kill -TERM $(cat {tmp_path / "srun.pid"})\n',
     )
     env = slurm_environment(recorded, tmp_path) | {"DFLASH2_ROOT": str(REPO), "PYTHON": sys.executable}
+    if path_first is not None:
+        env["PATH"] = f"{path_first}:{env['PATH']}"
     paths = [
         f"model.target={tiny_default.target_dir}",
         f"data.train={tiny_default.train_jsonl}",
@@ -215,7 +233,8 @@ def test_sbatch_passes_the_stop_on_and_requeues_from_the_runs_marker(tiny_defaul
     srun_args = srun_log.read_text().splitlines()
     # --cpus-per-task passed explicitly (srun does not inherit it from sbatch since Slurm 22.05), and
     # the step's output per node under the run directory, per job and restart
-    assert srun_args[:5] == [
+    assert srun_args[:6] == [
+        "--export=ALL",
         "--kill-on-bad-exit=1",
         "--nodes=1",
         "--ntasks-per-node=1",
@@ -263,6 +282,53 @@ def test_sbatch_requeues_on_the_marker_alone_and_never_after_a_failure(tiny_defa
     output, _ = cancelled.communicate(timeout=30)
     assert cancelled.returncode == 0 and "the job was cancelled: not requeued" in output, output
     assert not requeued(scontrol_log)
+
+
+def test_the_stops_deadline_follows_the_time_left_before_the_time_limit(tmp_path):
+    """A minute before the job's EndTime, so that a longer --signal lead gives the stop more time (a
+    fixed 240 s requeued a 900 s lead's stop mid-checkpoint); half the time left under two minutes;
+    240 s when SLURM reports no EndTime; DFLASH2_STOP_DEADLINE_S when set."""
+    case = json.loads((FIXTURES / "slurm_env_1node.json").read_text())
+    nodelist, hosts = case["env"]["SLURM_JOB_NODELIST"], case["scontrol_hostnames"]
+    deadlines = {}
+    for left in (900, 100, None):
+        end_time = None if left is None else int(time.time()) + left
+        stub_scontrol(tmp_path, nodelist, hosts, tmp_path / "log", end_time=end_time)
+        said = subprocess.run(
+            ["bash", "-c", "source launch/slurm/launch.sh && _dflash2_stop_deadline"],
+            cwd=REPO, env=slurm_environment(case, tmp_path), capture_output=True, text=True, timeout=30,
+        )  # fmt: skip
+        assert said.returncode == 0, said.stderr
+        deadlines[left] = int(said.stdout)
+    assert 835 <= deadlines[900] <= 840 and 47 <= deadlines[100] <= 50 and deadlines[None] == 240
+
+
+def test_sbatch_resolves_python_and_takes_the_device_gb_from_the_environment(tiny_default, tmp_path):
+    """PYTHON=<a command name> reaches the nodes as an absolute path (their launcher looks for a file);
+    DFLASH2_DEVICE_GB reaches the pre-flight's memory plan, and --device-gb among the arguments (which
+    go to launch/train.py too, which has no such flag) is one message; the launcher waits for its
+    workers as long as the job has left."""
+    (tmp_path / "bin").mkdir()
+    write_stub(tmp_path / "bin", "py-for-test", f'exec {sys.executable} "$@"\n')
+    seen = tmp_path / "seen"
+    process, srun_log, _ = start_sbatch(
+        tmp_path,
+        tiny_default,
+        FOUR_GPUS,
+        alone=f'echo "$PYTHON $TORCH_ELASTIC_SHUTDOWN_TIMEOUT" > {seen}; exit 0',
+        extra_env={"PYTHON": "py-for-test", "DFLASH2_DEVICE_GB": "0.5"},
+        path_first=tmp_path / "bin",
+        end_in=7200,
+    )
+    output, _ = process.communicate(timeout=60)
+    assert process.returncode == 0 and "of 0.5 GiB (--device-gb)" in output, output
+    python, shutdown_timeout = seen.read_text().split()
+    assert python == str(tmp_path / "bin" / "py-for-test") and 7100 < int(shutdown_timeout) <= 7200
+    (tmp_path / "flag").mkdir()
+    refused, srun_log, _ = start_sbatch(tmp_path / "flag", tiny_default, [*FOUR_GPUS, "--device-gb", "80"])
+    output, _ = refused.communicate(timeout=60)
+    assert refused.returncode == EXIT_USER_ERROR and not srun_log.exists(), output
+    assert "set DFLASH2_DEVICE_GB=<GiB> in the job's environment" in output and "Traceback" not in output
 
 
 def test_sbatch_requeues_a_running_job_whose_stop_outlives_the_deadline(tiny_default, tmp_path):
@@ -379,6 +445,31 @@ def test_the_preflight_prints_the_memory_plan_and_warns_when_it_is_over(tiny_def
     assert warning in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
+def test_the_preflight_says_its_notes_on_stderr_and_prints_the_output_dir_alone(
+    tiny_default, tmp_path, monkeypatch, capsys
+):
+    """The batch shell reads the output_dir from the pre-flight's stdout: a note there (a file system
+    that refuses locks) made the run's log directory and stop marker paths with the note in them, so
+    a stopped job was never requeued."""
+    import dflash2.faults as faults
+
+    def refuse(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(faults, "fcntl", SimpleNamespace(flock=refuse, LOCK_EX=0, LOCK_NB=0))
+    preflight = runpy.run_path(str(REPO / "launch/slurm/preflight.py"), run_name="preflight")
+    overrides = [
+        f"model.target={tiny_default.target_dir}",
+        f"data.train={tiny_default.train_jsonl}",
+        f"output_dir={tmp_path / 'run'}",
+    ]
+    argv = ["--world-size", "1", "--device-gb", "80", "configs/tiny-dflash2.yaml", *overrides]
+    assert preflight["main"](argv) == 0
+    said = capsys.readouterr()
+    assert said.out == f"{tmp_path / 'run'}\n"
+    assert f"note: the file system of {tmp_path / 'run'} refuses locks (No locks available)" in said.err
+
+
 def test_the_preflight_reads_the_gpus_memory_and_a_gpu_it_cannot_read_stops_nothing(monkeypatch):
     preflight = runpy.run_path(str(REPO / "launch/slurm/preflight.py"), run_name="preflight")
     device_memory = preflight["device_memory"]
@@ -421,7 +512,7 @@ def test_sbatch_derives_accumulation_from_the_global_batch_on_two_nodes(tiny_def
     assert "GPUS_PER_NODE=4 ignored: the allocation has 8 GPUs per node" in output
     port = re.search(r"2 nodes x 8 GPUs, 32 CPUs per node, rendezvous gpu-017:(\d+)", output)
     assert port and port.group(1) != "27203", output
-    assert srun_log.read_text().splitlines()[1:4] == [
+    assert srun_log.read_text().splitlines()[2:5] == [
         "--nodes=2",
         "--ntasks-per-node=1",
         "--cpus-per-task=32",

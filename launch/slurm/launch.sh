@@ -4,6 +4,8 @@
 #      must be auto) and a global batch this job's GPUs cannot split; a problem is one message, exit 2.
 #      With train.global_batch_size set, the accumulation steps follow the number of GPUs, so a job
 #      submitted with a node range (--nodes=2-4) may be requeued onto another number of nodes;
+#      PYTHON (default .venv/bin/python) is resolved to an absolute path here; DFLASH2_DEVICE_GB gives
+#      the pre-flight's memory plan the GiB per GPU (else this node's GPU 0);
 #   2. starts one torchrun agent per node (srun, one task per node, launch/multinode_torchrun.sh with
 #      the environment of launch/slurm/slurm_env.sh, derived again inside each task). srun gets
 #      --cpus-per-task explicitly (since Slurm 22.05 it no longer inherits it from sbatch, and each
@@ -11,10 +13,12 @@
 #      (DFLASH2_MASTER_PORT). Each node's output goes to <output_dir>/slurm/<job id>.<restart>/node<N>.out;
 #      this shell's own lines also to <output_dir>/slurm/batch-<job id>.log;
 #   3. on SIGUSR1 (#SBATCH --signal=B:USR1@<lead seconds>, before the time limit) passes it on to the
-#      step (srun forwards it to every process of the step); when the stop has not finished
-#      DFLASH2_STOP_DEADLINE_S seconds later (default 240, inside the sbatch files' lead of 300),
-#      requeues the running job, which resumes from its latest complete checkpoint (a job the time
-#      limit ends is TIMEOUT, which SLURM never requeues); on SIGTERM (`scancel --signal=TERM
+#      step (srun forwards it to every process of the step); when the stop has not finished a minute
+#      before the time limit (scontrol's EndTime; 240 s after the signal when SLURM does not say;
+#      DFLASH2_STOP_DEADLINE_S sets the seconds), requeues the running job, which resumes from its
+#      latest complete checkpoint (a job the time limit ends is TIMEOUT, which SLURM never requeues),
+#      and the launcher waits for its workers as long (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, the time left
+#      at the start): a longer lead gives the stop more time; on SIGTERM (`scancel --signal=TERM
 #      --batch`, a site that signals the batch shell) sends SIGTERM to every process of the job's
 #      steps with `scancel --signal=TERM <job>`, not through srun: srun itself ends its step at once on
 #      SIGTERM (it kills the tasks), so a SIGTERM that also reaches srun (`scancel --full`, the time
@@ -48,7 +52,7 @@ _dflash2_on_usr1() {
   if [[ -z ${_dflash2_step:-} ]]; then _dflash2_pending=1; return; fi  # srun is starting: pass it on then
   kill -USR1 "$_dflash2_step" 2>/dev/null || true
   if [[ -z ${_dflash2_deadline:-} ]]; then  # the time limit ends the step (TIMEOUT: never requeued) ...
-    _dflash2_deadline=${DFLASH2_STOP_DEADLINE_S:-240}
+    _dflash2_deadline=${DFLASH2_STOP_DEADLINE_S:-$(_dflash2_stop_deadline)}
     # (a TERM ends the watcher's sleep too: killed alone, the sleep would outlive it)
     (
       trap 'kill "$s" 2>/dev/null; exit 0' TERM
@@ -77,6 +81,25 @@ _dflash2_on_term() {
   scancel --signal=TERM "${SLURM_JOB_ID}" || kill -USR1 "${_dflash2_step:-}" 2>/dev/null || true
 }
 
+# Seconds from now to the job's time limit (scontrol's EndTime); nothing when SLURM does not say.
+_dflash2_time_left() {
+  local job end
+  job="$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null)" || return 0
+  [[ $job =~ EndTime=([0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9:]{8}) ]] || return 0
+  end=$(date -d "${BASH_REMATCH[1]}" +%s 2>/dev/null) || return 0
+  echo $((end - $(date +%s)))
+}
+
+# How long a stop may run after SIGUSR1: up to a minute before the time limit (a requeue takes a few
+# seconds, and the time limit's TIMEOUT is never requeued), so a longer --signal lead gives the stop
+# more time; half the time left when that is under two minutes; 240 s (the sbatch files' lead of
+# 300, less a minute) when SLURM does not say.
+_dflash2_stop_deadline() {
+  local left
+  left=$(_dflash2_time_left)
+  if [[ -z $left ]]; then echo 240; elif ((left > 120)); then echo $((left - 60)); else echo $((left > 1 ? left / 2 : 1)); fi
+}
+
 _dflash2_free_port() {
   "$1" -c 'import socket; s = socket.socket(); s.bind(("", 0)); print(s.getsockname()[1])'
 }
@@ -103,8 +126,22 @@ _dflash2_wait_step() {
 dflash2_slurm_run() {
   local config=${1:?usage: sbatch launch/slurm/<name>.sbatch <config.yaml> [key=value ...]}
   shift
-  local python=${PYTHON:-.venv/bin/python}
+  local python arg
+  # the interpreter as an absolute path, the same on every node: a bare name (python3) is looked up
+  # here, where the nodes' launcher would not find it
+  python=$(command -v "${PYTHON:-.venv/bin/python}") || {
+    _dflash2_say "error: no python at ${PYTHON:-.venv/bin/python}: set PYTHON to the environment's interpreter" >&2
+    return 2
+  }
+  [[ $python == /* ]] || python=$PWD/$python
   export PYTHON=$python
+  for arg in "$@"; do
+    if [[ $arg == --device-gb* ]]; then
+      _dflash2_say "error: the arguments go to launch/train.py too, which has no --device-gb: set" \
+        "DFLASH2_DEVICE_GB=<GiB> in the job's environment for the pre-flight's memory plan" >&2
+      return 2
+    fi
+  done
   # Collectives wait 1800 s until a rank's first step (one rank may read a large target from a shared
   # file system while the others wait: a 27B target is 54 GB) and 600 s from then on, unless the job
   # sets DFLASH2_STARTUP_TIMEOUT_S or DFLASH2_DIST_TIMEOUT_S (dflash2.faults); the pre-flight says which.
@@ -115,7 +152,13 @@ dflash2_slurm_run() {
   trap _dflash2_on_deadline USR2
   source launch/slurm/slurm_env.sh
   local run_dir
-  run_dir=$("$python" launch/slurm/preflight.py --world-size "$WORLD_SIZE" "$config" "$@") || return
+  run_dir=$("$python" launch/slurm/preflight.py --world-size "$WORLD_SIZE" \
+    ${DFLASH2_DEVICE_GB:+--device-gb "$DFLASH2_DEVICE_GB"} "$config" "$@") || return
+  # the launcher's wait for its workers after a stop signal (launch/torchrun.py, 300 s by default): the
+  # job's time left when longer, so that the batch shell's deadline (_dflash2_stop_deadline) decides
+  local left
+  left=$(_dflash2_time_left)
+  export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$((${left:-0} > 300 ? left : 300))}
   export DFLASH2_MASTER_PORT MASTER_PORT
   DFLASH2_MASTER_PORT=$(_dflash2_free_port "$python")
   MASTER_PORT=$DFLASH2_MASTER_PORT
@@ -138,7 +181,9 @@ dflash2_slurm_run() {
     return 0
   fi
   # NODE_RANK differs per node: each task derives its own environment.
-  srun --kill-on-bad-exit=1 --nodes="${NNODES}" --ntasks-per-node=1 \
+  # --export=ALL: the tasks need this shell's environment (PYTHON, the port, the timeouts) whatever
+  # the job was submitted with (sbatch --export=NONE makes srun export nothing)
+  srun --export=ALL --kill-on-bad-exit=1 --nodes="${NNODES}" --ntasks-per-node=1 \
     ${SLURM_CPUS_PER_TASK:+--cpus-per-task="$SLURM_CPUS_PER_TASK"} --output="$log_dir/node%n.out" \
     bash -c 'source launch/slurm/slurm_env.sh && exec launch/multinode_torchrun.sh "$@"' dflash2 \
     --config "$config" "$@" &

@@ -18,6 +18,7 @@ the batch shell (the run's logs and its stop marker live there).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
 import os
 import shlex
@@ -126,7 +127,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_intermixed_args(argv)
     if args.device_gb is not None:
         check_positive("--device-gb", args.device_gb)
-    print(check(args.config, args.overrides, args.world_size, args.device_gb))
+    # stdout is the output_dir alone, which the batch shell reads: anything else said goes to stderr
+    with contextlib.redirect_stdout(sys.stderr):
+        output_dir = check(args.config, args.overrides, args.world_size, args.device_gb)
+    print(output_dir)
     return 0
 
 
