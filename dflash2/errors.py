@@ -78,6 +78,11 @@ class OverridesParser(argparse.ArgumentParser):
         self._given = list(sys.argv[1:] if args is None else args)
         return super().parse_known_args(args, namespace)
 
+    def parse_known_intermixed_args(self, args=None, namespace=None):
+        # its own entry point since Python 3.12.8 / 3.13.1 (no longer through parse_known_args)
+        self._given = list(sys.argv[1:] if args is None else args)
+        return super().parse_known_intermixed_args(args, namespace)
+
     def error(self, message: str) -> NoReturn:
         given = getattr(self, "_given", [])
         dashed = [arg for arg in given if arg.startswith("--") and "=" in arg and "." in arg.split("=")[0]]

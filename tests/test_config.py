@@ -17,7 +17,6 @@ from tokenizers import Tokenizer, models
 from transformers import PreTrainedTokenizerFast, Qwen3Config
 
 from dflash2.models.config import (
-    DFLASH_KEYS,
     NESTED_FIRST_KEYS,
     NESTED_ONLY_KEYS,
     check_draft_config,
@@ -375,24 +374,34 @@ def test_top_level_only_conv_fields_are_ignored_by_servers(v2):
 
 
 def test_a_misspelled_field_is_refused_with_the_field_it_resembles(v2):
-    """Every loader ignores a field it does not know, so a misspelled target_layer_ids trained and
-    served the default layers without a word (the export's check passed too)."""
-    v2["dflash_config"]["target_layers_ids"] = v2["dflash_config"].pop("target_layer_ids")
-    v2["dflash_config"]["conv_groups"] = 16
-    v2["num_hidden_layer"] = 3
-    v2["description"] = "a field no loader reads, close to none: kept"
-    problems = validate_draft_config(v2)
-    assert problems[:3] == [
-        "dflash_config.target_layers_ids: not a DFlash field, which every loader would ignore; did you mean "
-        "target_layer_ids? the fields are " + ", ".join(DFLASH_KEYS),
-        "dflash_config.conv_groups: not a DFlash field, which every loader would ignore; did you mean "
-        "conv_group_size? the fields are " + ", ".join(DFLASH_KEYS),
-        "num_hidden_layer: not a field of a draft config, which every loader would ignore; did you mean "
-        "num_hidden_layers?",
+    """A loader ignores a field it does not know and uses its default for a missing one, so a misspelled
+    target_layer_ids trained and served the default layers without a word (the export's check passed
+    too). Other loaders' own fields, and a key near a field the config has, are kept."""
+    nested = v2["dflash_config"]
+    nested["target_layers_ids"] = nested.pop("target_layer_ids")
+    nested["conv_groups"] = nested.pop("conv_group_size")
+    v2["num_hidden_layer"] = v2.pop("num_hidden_layers")
+    nested.update(causal=False, use_swa=False, sliding_window=None)  # read by other servers' loaders
+    v2.update(tie_encoder_decoder=False, moe_intermediate_size=64, description="a note")
+    misspelled = [
+        (where, name)
+        for where, name in (("dflash_config.target_layers_ids", "target_layer_ids"),
+                            ("dflash_config.conv_groups", "conv_group_size"),
+                            ("num_hidden_layer", "num_hidden_layers"))
+    ]  # fmt: skip
+    expected = [
+        f"{where}: not a field of a draft config, and {name} is missing: did you mean {name}? (a loader "
+        "ignores the one and uses its default for the other)"
+        for where, name in misspelled
     ]
-    assert not any("description" in problem for problem in problems)
-    with pytest.raises(ValueError, match="did you mean target_layer_ids"):
+    problems = validate_draft_config(v2)
+    assert problems[:3] == expected
+    assert not any(
+        key in " ".join(problems) for key in ("causal", "use_swa", "tie_encoder", "moe_", "description")
+    )
+    with pytest.raises(ValueError) as refused:  # before normalisation fills a default in the field's place
         check_draft_config(v2)
+    assert all(line in str(refused.value) for line in expected)
 
 
 def test_equal_top_level_block_size_is_allowed(v2):

@@ -424,7 +424,10 @@ def test_a_script_without_the_main_guard_or_from_stdin_is_told_the_fix(tiny_defa
         [sys.executable, "-"], input=script.read_text(), cwd=REPO, capture_output=True, text=True, timeout=120
     )
     assert from_stdin.returncode == 1
-    assert "and '<stdin>' is not a file (a script read from stdin?): save the script" in from_stdin.stderr
+    assert (
+        "and '<stdin>' is not a file it can run (a script read from stdin, a zip archive?): save the script"
+        in from_stdin.stderr
+    )
 
 
 def test_truncation_and_untrainable_samples_are_counted(tiny_tokenizer, tmp_path):

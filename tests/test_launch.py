@@ -287,11 +287,12 @@ def test_sbatch_requeues_on_the_marker_alone_and_never_after_a_failure(tiny_defa
 def test_the_stops_deadline_follows_the_time_left_before_the_time_limit(tmp_path):
     """A minute before the job's EndTime, so that a longer --signal lead gives the stop more time (a
     fixed 240 s requeued a 900 s lead's stop mid-checkpoint); half the time left under two minutes;
-    240 s when SLURM reports no EndTime; DFLASH2_STOP_DEADLINE_S when set."""
+    240 s for a USR1 more than an hour before the time limit (sent by hand) or when SLURM reports no
+    EndTime."""
     case = json.loads((FIXTURES / "slurm_env_1node.json").read_text())
     nodelist, hosts = case["env"]["SLURM_JOB_NODELIST"], case["scontrol_hostnames"]
     deadlines = {}
-    for left in (900, 100, None):
+    for left in (900, 100, 7200, None):
         end_time = None if left is None else int(time.time()) + left
         stub_scontrol(tmp_path, nodelist, hosts, tmp_path / "log", end_time=end_time)
         said = subprocess.run(
@@ -300,14 +301,15 @@ def test_the_stops_deadline_follows_the_time_left_before_the_time_limit(tmp_path
         )  # fmt: skip
         assert said.returncode == 0, said.stderr
         deadlines[left] = int(said.stdout)
-    assert 835 <= deadlines[900] <= 840 and 47 <= deadlines[100] <= 50 and deadlines[None] == 240
+    assert 835 <= deadlines[900] <= 840 and 47 <= deadlines[100] <= 50
+    assert deadlines[7200] == deadlines[None] == 240  # a USR1 hours before the time limit: sent by hand
 
 
 def test_sbatch_resolves_python_and_takes_the_device_gb_from_the_environment(tiny_default, tmp_path):
     """PYTHON=<a command name> reaches the nodes as an absolute path (their launcher looks for a file);
     DFLASH2_DEVICE_GB reaches the pre-flight's memory plan, and --device-gb among the arguments (which
     go to launch/train.py too, which has no such flag) is one message; the launcher waits for its
-    workers as long as the job has left."""
+    workers as long as the longest stop deadline, an hour."""
     (tmp_path / "bin").mkdir()
     write_stub(tmp_path / "bin", "py-for-test", f'exec {sys.executable} "$@"\n')
     seen = tmp_path / "seen"
@@ -318,12 +320,11 @@ def test_sbatch_resolves_python_and_takes_the_device_gb_from_the_environment(tin
         alone=f'echo "$PYTHON $TORCH_ELASTIC_SHUTDOWN_TIMEOUT" > {seen}; exit 0',
         extra_env={"PYTHON": "py-for-test", "DFLASH2_DEVICE_GB": "0.5"},
         path_first=tmp_path / "bin",
-        end_in=7200,
     )
     output, _ = process.communicate(timeout=60)
     assert process.returncode == 0 and "of 0.5 GiB (--device-gb)" in output, output
     python, shutdown_timeout = seen.read_text().split()
-    assert python == str(tmp_path / "bin" / "py-for-test") and 7100 < int(shutdown_timeout) <= 7200
+    assert python == str(tmp_path / "bin" / "py-for-test") and shutdown_timeout == "3600"
     (tmp_path / "flag").mkdir()
     refused, srun_log, _ = start_sbatch(tmp_path / "flag", tiny_default, [*FOUR_GPUS, "--device-gb", "80"])
     output, _ = refused.communicate(timeout=60)

@@ -263,8 +263,8 @@ def _refuse_in_bootstrapping_worker(num_proc: int) -> None:
     if main_file is not None and not Path(main_file).is_file():
         raise ValueError(
             f"prepare_dataset(num_proc={num_proc}) starts worker processes that run the main script "
-            f"again, and {main_file!r} is not a file (a script read from stdin?): save the script to a "
-            "file, or use num_proc=1"
+            f"again, and {main_file!r} is not a file it can run (a script read from stdin, a zip "
+            "archive?): save the script to a file, or use num_proc=1"
         )
 
 

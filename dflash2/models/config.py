@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import difflib
-import functools
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -316,35 +315,49 @@ def _check_layout(cfg: dict, problems: list[str]) -> None:
 
 
 DFLASH_KEYS = NESTED_ONLY_KEYS + NESTED_FIRST_KEYS
-# top-level keys of a draft config besides a Qwen3 config's own and the DFlash fields
-OTHER_TOP_LEVEL_KEYS = ("dflash_config", "is_causal", "rope_theta", "rope_scaling", "torch_dtype", "auto_map")
-
-
-@functools.cache
-def _top_level_keys() -> frozenset[str]:
-    return frozenset(Qwen3Config().to_dict()) | frozenset(OTHER_TOP_LEVEL_KEYS + DFLASH_KEYS)
+# Fields whose absence a loader fills with a default (a different model, or no error where one was due)
+DEFAULTED_KEYS = REQUIRED_BACKBONE_KEYS + (
+    "architectures",
+    "model_type",
+    "dflash_config",
+    "is_causal",
+    "layer_types",
+    "sliding_window",
+    "use_sliding_window",
+    "max_window_layers",
+    "rope_parameters",
+    "rope_theta",
+    "rope_scaling",
+    "max_position_embeddings",
+    "rms_norm_eps",
+    "attention_bias",
+    "hidden_act",
+    "tie_word_embeddings",
+)
 
 
 def _check_field_names(cfg: dict, problems: list[str]) -> None:
-    """Every loader ignores a field it does not know: a misspelled one (target_layers_ids) would train
-    and serve with the default. Every dflash_config key must be a DFlash field; a top-level key close
-    to a known field is taken for a misspelling of it."""
+    """A loader ignores a field it does not know and uses its default for a missing one, so a
+    misspelled field (target_layers_ids) would train and serve the default without a word. A key close
+    to a field the config lacks is taken for a misspelling of it; other keys (another loader's own
+    fields, notes) are kept. Read on the config as written: normalisation fills the defaults."""
     nested = cfg.get("dflash_config") if isinstance(cfg.get("dflash_config"), dict) else {}
-    for key in nested:
-        if key not in DFLASH_KEYS:
-            close = difflib.get_close_matches(key, DFLASH_KEYS, n=1, cutoff=0.6)
-            hint = f"did you mean {close[0]}? " if close else ""
-            problems.append(
-                f"dflash_config.{key}: not a DFlash field, which every loader would ignore; {hint}"
-                f"the fields are {', '.join(DFLASH_KEYS)}"
-            )
-    for key in cfg:
-        if key not in _top_level_keys():
-            close = difflib.get_close_matches(key, _top_level_keys(), n=1, cutoff=0.85)
+
+    def lacks(name: str) -> bool:
+        return name not in nested and name not in cfg
+
+    for where, keys, known in (
+        ("dflash_config.", nested, DFLASH_KEYS),
+        ("", cfg, DEFAULTED_KEYS + DFLASH_KEYS),
+    ):
+        for key in keys:
+            if key in known or not isinstance(key, str):
+                continue
+            close = [name for name in difflib.get_close_matches(key, known, n=3, cutoff=0.8) if lacks(name)]
             if close:
                 problems.append(
-                    f"{key}: not a field of a draft config, which every loader would ignore; did you mean "
-                    f"{close[0]}?"
+                    f"{where}{key}: not a field of a draft config, and {close[0]} is missing: did you mean "
+                    f"{close[0]}? (a loader ignores the one and uses its default for the other)"
                 )
 
 
@@ -641,7 +654,8 @@ def _check_target(cfg: dict, target_config: Any, problems: list[str], source: An
         target_dir = target_dir.parent if target_dir.name == CONFIG_FILE else target_dir
         problems.append(
             "a draft config made for this target: python -m dflash2.draft_config --target "
-            f"{target_dir} --arch {_architecture(cfg) or DEFAULT_ARCHITECTURE} --out <draft.json>"
+            f"{target_dir} --arch {_architecture(cfg) if _architecture(cfg) in ARCHITECTURES else DEFAULT_ARCHITECTURE} "
+            "--out <draft.json>"
         )
 
 
@@ -675,8 +689,15 @@ def validate_draft_config(
 
 def check_draft_config(cfg: dict, **kwargs: Any) -> dict:
     """Normalise, validate, and return the normalised config; raise one ValueError listing every problem."""
-    normalized = normalize_draft_config(cfg)
-    problems = validate_draft_config(normalized, **kwargs)
+    misspelled: list[str] = []
+    _check_field_names(cfg, misspelled)  # before normalisation fills the default a misspelling leaves
+    try:
+        normalized = normalize_draft_config(cfg)
+    except ValueError:
+        if misspelled:
+            raise ValueError("invalid draft config:\n  " + "\n  ".join(misspelled)) from None
+        raise
+    problems = list(dict.fromkeys(misspelled + validate_draft_config(normalized, **kwargs)))
     if problems:
         raise ValueError("invalid draft config:\n  " + "\n  ".join(problems))
     return normalized

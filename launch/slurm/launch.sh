@@ -14,11 +14,11 @@
 #      this shell's own lines also to <output_dir>/slurm/batch-<job id>.log;
 #   3. on SIGUSR1 (#SBATCH --signal=B:USR1@<lead seconds>, before the time limit) passes it on to the
 #      step (srun forwards it to every process of the step); when the stop has not finished a minute
-#      before the time limit (scontrol's EndTime; 240 s after the signal when SLURM does not say;
-#      DFLASH2_STOP_DEADLINE_S sets the seconds), requeues the running job, which resumes from its
-#      latest complete checkpoint (a job the time limit ends is TIMEOUT, which SLURM never requeues),
-#      and the launcher waits for its workers as long (TORCH_ELASTIC_SHUTDOWN_TIMEOUT, the time left
-#      at the start): a longer lead gives the stop more time; on SIGTERM (`scancel --signal=TERM
+#      before the time limit (scontrol's EndTime, for a signal at most an hour before it; else 240 s
+#      after the signal; DFLASH2_STOP_DEADLINE_S sets the seconds), requeues the running job, which
+#      resumes from its latest complete checkpoint (a job the time limit ends is TIMEOUT, which SLURM
+#      never requeues), and the launcher waits for its workers up to an hour
+#      (TORCH_ELASTIC_SHUTDOWN_TIMEOUT): a longer lead gives the stop more time; on SIGTERM (`scancel --signal=TERM
 #      --batch`, a site that signals the batch shell) sends SIGTERM to every process of the job's
 #      steps with `scancel --signal=TERM <job>`, not through srun: srun itself ends its step at once on
 #      SIGTERM (it kills the tasks), so a SIGTERM that also reaches srun (`scancel --full`, the time
@@ -84,20 +84,29 @@ _dflash2_on_term() {
 # Seconds from now to the job's time limit (scontrol's EndTime); nothing when SLURM does not say.
 _dflash2_time_left() {
   local job end
-  job="$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null)" || return 0
+  # (a site's SLURM_TIME_FORMAT may print times otherwise)
+  job="$(SLURM_TIME_FORMAT=standard scontrol show job "$SLURM_JOB_ID" 2>/dev/null)" || return 0
   [[ $job =~ EndTime=([0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9:]{8}) ]] || return 0
   end=$(date -d "${BASH_REMATCH[1]}" +%s 2>/dev/null) || return 0
   echo $((end - $(date +%s)))
 }
 
-# How long a stop may run after SIGUSR1: up to a minute before the time limit (a requeue takes a few
-# seconds, and the time limit's TIMEOUT is never requeued), so a longer --signal lead gives the stop
-# more time; half the time left when that is under two minutes; 240 s (the sbatch files' lead of
-# 300, less a minute) when SLURM does not say.
+# How long a stop may run after SIGUSR1: when the signal is the time limit's (an hour or less before
+# it), up to a minute before the time limit (a requeue takes a few seconds, and the time limit's
+# TIMEOUT is never requeued), so a longer --signal lead gives the stop more time, or half the time
+# left under two minutes; else (a USR1 sent by hand, or SLURM does not say) 240 s, the sbatch files'
+# lead of 300 less a minute.
+_dflash2_max_lead_s=3600
 _dflash2_stop_deadline() {
   local left
   left=$(_dflash2_time_left)
-  if [[ -z $left ]]; then echo 240; elif ((left > 120)); then echo $((left - 60)); else echo $((left > 1 ? left / 2 : 1)); fi
+  if [[ -z $left ]] || ((left > _dflash2_max_lead_s)); then
+    echo 240
+  elif ((left > 120)); then
+    echo $((left - 60))
+  else
+    echo $((left > 1 ? left / 2 : 1))
+  fi
 }
 
 _dflash2_free_port() {
@@ -154,11 +163,9 @@ dflash2_slurm_run() {
   local run_dir
   run_dir=$("$python" launch/slurm/preflight.py --world-size "$WORLD_SIZE" \
     ${DFLASH2_DEVICE_GB:+--device-gb "$DFLASH2_DEVICE_GB"} "$config" "$@") || return
-  # the launcher's wait for its workers after a stop signal (launch/torchrun.py, 300 s by default): the
-  # job's time left when longer, so that the batch shell's deadline (_dflash2_stop_deadline) decides
-  local left
-  left=$(_dflash2_time_left)
-  export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$((${left:-0} > 300 ? left : 300))}
+  # the launcher's wait for its workers after a stop signal (launch/torchrun.py, 300 s by default): as
+  # long as the longest stop deadline, so that the batch shell's deadline (_dflash2_stop_deadline) decides
+  export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-$_dflash2_max_lead_s}
   export DFLASH2_MASTER_PORT MASTER_PORT
   DFLASH2_MASTER_PORT=$(_dflash2_free_port "$python")
   MASTER_PORT=$DFLASH2_MASTER_PORT
