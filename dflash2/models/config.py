@@ -631,25 +631,20 @@ def _check_target(cfg: dict, target_config: Any, problems: list[str], source: An
         f" (draft {_config_file(source, 'config given as a dict')}, "
         f"target {_config_file(target_config, 'config given as a dict')})"
     )
-    mismatched = (
-        cfg.get("hidden_size") != config_field(target, "hidden_size")
-        or cfg.get("vocab_size") != config_field(target, "vocab_size")
-        or draft_value(cfg, "num_target_layers") != config_field(target, "num_hidden_layers")
-    )
+    before = len(problems)
     for key in ("hidden_size", "vocab_size"):
         if cfg.get(key) != config_field(target, key):
             problems.append(
                 f"{key}={cfg.get(key)!r} but the target's {key} is {config_field(target, key)!r}{files}; "
                 "they must be equal"
             )
-    _check_target_family(target, files, problems)
     num_target_layers = draft_value(cfg, "num_target_layers")
     if num_target_layers != config_field(target, "num_hidden_layers"):
         problems.append(
             f"num_target_layers={num_target_layers!r} but the target has num_hidden_layers="
             f"{config_field(target, 'num_hidden_layers')!r}{files}; set num_target_layers to it"
         )
-    if mismatched:
+    if len(problems) > before:  # a draft config made for another target
         target_dir = Path(_config_file(target_config, "<target dir>"))
         target_dir = target_dir.parent if target_dir.name == CONFIG_FILE else target_dir
         problems.append(
@@ -657,6 +652,7 @@ def _check_target(cfg: dict, target_config: Any, problems: list[str], source: An
             f"{target_dir} --arch {_architecture(cfg) if _architecture(cfg) in ARCHITECTURES else DEFAULT_ARCHITECTURE} "
             "--out <draft.json>"
         )
+    _check_target_family(target, files, problems)
 
 
 def validate_draft_config(
