@@ -289,11 +289,12 @@ def apply_override(tree: dict, dotted: str) -> None:
         if not isinstance(node, dict):
             raise ValueError(f"override {dotted!r}: {part!r} is not a section")
     value = _parse_value(text)
-    if isinstance(value, dict) and _is_section(parts):
-        keys = " ".join(f"{key.strip()}.{name}={_override_text(item)}" for name, item in value.items())
+    if isinstance(value, dict) and _section_model(parts) is not None:
+        section = ".".join(parts)
+        keys = " ".join(f"{section}.{name}={_override_text(item)}" for name, item in value.items())
         raise ValueError(
-            f"override {dotted!r} would replace the whole {key.strip()} section, its other keys back to "
-            f"their defaults: set the keys one by one ({keys or f'{key.strip()}.<key>=<value>'})"
+            f"override {dotted!r} would replace the whole {section} section, its other keys back to "
+            f"their defaults: set the keys one by one ({keys or f'{section}.<key>=<value>'})"
         )
     node[parts[-1]] = value
 
@@ -303,16 +304,17 @@ def _override_text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
-def _is_section(parts: list[str]) -> bool:
-    """Whether the dotted key names a section of the run config (model, data, objective, train)."""
+def _section_model(parts: list[str]) -> type[BaseModel] | None:
+    """The model of the run config's section the dotted key names (RunConfig for none; model, data,
+    objective, train), or None when it names no section."""
     model: type[BaseModel] = RunConfig
     for name in parts:
         field = model.model_fields.get(name)
         annotation = field.annotation if field is not None else None
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return False
+            return None
         model = annotation
-    return True
+    return model
 
 
 def load_run_config(path: str | Path | None, overrides: list[str] = ()) -> RunConfig:
@@ -350,12 +352,9 @@ def _suggestion(error: dict) -> str:
     if error["type"] != "extra_forbidden":
         return ""
     *section, key = map(str, error["loc"])
-    model: type[BaseModel] = RunConfig
-    for name in section:
-        annotation = model.model_fields[name].annotation
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return ""
-        model = annotation
+    model = _section_model(section)
+    if model is None:
+        return ""
     close = difflib.get_close_matches(key, list(model.model_fields), n=1)
     return f"; did you mean {'.'.join([*section, close[0]])}?" if close else ""
 
